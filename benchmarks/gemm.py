@@ -1,0 +1,139 @@
+"""GEMM benchmark: det_matmul implementations vs jnp.dot, measured in the same run.
+
+  PYTHONPATH=$PWD python benchmarks/gemm.py [--quick] [--impls mosaic,triton] [--out FILE]
+
+Prints (and writes with --out) a markdown table: forward and forward+backward
+TFLOP/s of each implementation and of ``jnp.dot``, the ratio, and whether the
+sampled rows were bitwise batch-invariant (row r of the M-row call against the
+same row computed alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels import det_matmul
+
+MS = (1, 16, 64, 256, 1024, 4096, 8192)
+KNS = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 151936))
+
+
+def _time(f, *args, iters: int = 10, reps: int = 5) -> float:
+  """Median seconds per call (device-synchronised, after a warm-up)."""
+  jax.block_until_ready(f(*args))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = f(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / iters)
+  return statistics.median(samples)
+
+
+def _fwd(impl):
+  if impl == "jnp.dot":
+    return jax.jit(lambda a, b: jnp.dot(a, b))
+  return jax.jit(lambda a, b: det_matmul(a, b, implementation=impl))
+
+
+def _fwd_bwd(impl):
+  mm = (lambda a, b: jnp.dot(a, b)) if impl == "jnp.dot" else (
+      lambda a, b: det_matmul(a, b, implementation=impl))
+
+  def step(a, b, g):
+    out, vjp = jax.vjp(mm, a, b)
+    return out, vjp(g)
+
+  return jax.jit(step)
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint16)
+
+
+def run(impls, ms, kns, fwd_bwd: bool):
+  rows = []
+  for k, n in kns:
+    b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
+    for m in ms:
+      a = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+      flops = 2.0 * m * n * k
+      row = {"m": m, "k": k, "n": n}
+      row["jnp.dot"] = flops / _time(_fwd("jnp.dot"), a, b) / 1e12
+      if fwd_bwd:
+        g = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+        row["jnp.dot_fb"] = 3 * flops / _time(_fwd_bwd("jnp.dot"), a, b, g) / 1e12
+      for impl in impls:
+        f = _fwd(impl)
+        row[impl] = flops / _time(f, a, b) / 1e12
+        full = f(a, b)
+        probe = sorted({0, m // 2, m - 1})
+        row[impl + "_inv"] = all(
+            np.array_equal(_bits(f(a[r:r + 1], b)), _bits(full[r:r + 1])) for r in probe)
+        if fwd_bwd:
+          row[impl + "_fb"] = 3 * flops / _time(_fwd_bwd(impl), a, b, g) / 1e12
+      rows.append(row)
+      print(_fmt_row(row, impls, fwd_bwd), flush=True)
+  return rows
+
+
+def _header(impls, fwd_bwd):
+  cols = ["M", "K", "N", "jnp.dot fwd"]
+  for impl in impls:
+    cols += [f"{impl} fwd", "ratio", "bitwise"]
+  if fwd_bwd:
+    cols += ["jnp.dot f+b"]
+    for impl in impls:
+      cols += [f"{impl} f+b", "ratio"]
+  return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def _fmt_row(r, impls, fwd_bwd):
+  cells = [str(r["m"]), str(r["k"]), str(r["n"]), f"{r['jnp.dot']:.1f}"]
+  for impl in impls:
+    cells += [f"{r[impl]:.1f}", f"{r[impl] / r['jnp.dot']:.2f}x",
+              "yes" if r[impl + "_inv"] else "NO"]
+  if fwd_bwd:
+    cells += [f"{r['jnp.dot_fb']:.1f}"]
+    for impl in impls:
+      cells += [f"{r[impl + '_fb']:.1f}", f"{r[impl + '_fb'] / r['jnp.dot_fb']:.2f}x"]
+  return "| " + " | ".join(cells) + " |"
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--quick", action="store_true", help="a few shapes only")
+  p.add_argument("--impls", default=None, help="comma-separated (default: mosaic on Hopper)")
+  p.add_argument("--no-bwd", action="store_true", help="forward only")
+  p.add_argument("--ms", default=None, help="comma-separated M values")
+  p.add_argument("--out", default=None, help="write the markdown table here")
+  args = p.parse_args()
+  from jaxrl_kernels._backend import is_hopper
+  impls = args.impls.split(",") if args.impls else (["mosaic"] if is_hopper() else ["triton"])
+  ms = tuple(int(x) for x in args.ms.split(",")) if args.ms else MS
+  kns = KNS
+  if args.quick:
+    ms, kns = (1, 64, 1024, 8192), KNS[:2]
+  dev = jax.devices()[0]
+  head = (f"device: {dev.device_kind}; jax {jax.__version__}; "
+          f"date {datetime.date.today().isoformat()}; bf16 inputs and outputs, fp32 accumulation; "
+          f"TFLOP/s (f+b counts 3 GEMMs); ratio = impl / jnp.dot")
+  print(head)
+  print(_header(impls, not args.no_bwd), flush=True)
+  rows = run(impls, ms, kns, fwd_bwd=not args.no_bwd)
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(head + "\n\n" + _header(impls, not args.no_bwd) + "\n")
+      fh.write("\n".join(_fmt_row(r, impls, not args.no_bwd) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+  main()

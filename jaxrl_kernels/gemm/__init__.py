@@ -1,0 +1,3 @@
+"""The batch-invariant deterministic GEMM."""
+
+from jaxrl_kernels.gemm.api import det_matmul as det_matmul

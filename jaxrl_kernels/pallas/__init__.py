@@ -1,0 +1,1 @@
+"""Pallas kernels: one kernel per file (Triton/interpret and Mosaic GPU lowerings)."""

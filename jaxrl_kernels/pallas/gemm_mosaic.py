@@ -1,0 +1,241 @@
+"""Deterministic, batch-invariant GEMM for Hopper in Pallas Mosaic GPU.
+
+TMA loads into swizzled shared memory, wgmma with float32 accumulators in
+registers, a warp-specialized pipeline (one memory warpgroup issuing TMA, one
+or two compute warpgroups issuing wgmma) and a persistent grid (one CTA per SM
+walking output tiles). Each output tile walks K in ``TILE_K`` steps in
+ascending order: no split-K, no stream-K. TMA zero-fills loads past the edge
+of M, N or K and clips stores, so operands are read in place, never padded.
+
+What may vary per shape (free knobs): the M and N tile, the number of compute
+warpgroups, pipeline depth and the CTA walk order. They do not change any
+element's K reduction order; ``tests/gemm/test_det_matmul_gpu.py`` checks
+that every config gives the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Part of the numerical contract: a 64-element K tile (128 bytes of bf16/fp16,
+# one 128B swizzle row). Each wgmma step consumes it as 4 k16 instructions in
+# ascending order. Never derived from the shape.
+TILE_K = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Free tuning knobs (none of them touches the K order)."""
+
+  tile_m: int = 128  # rows per compute warpgroup (64 or 128: multiples of wgmma's m64)
+  tile_n: int = 128  # columns per compute warpgroup
+  num_compute_wgs: int = 2
+  wg_split: str = "n"  # how compute warpgroups split the CTA tile: "m" or "n"
+  max_concurrent_steps: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  grid_minor: str = "n"  # the faster-moving tile index of the persistent walk
+  grid_tile_width: int = 1
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m * (self.num_compute_wgs if self.wg_split == "m" else 1)
+
+  @property
+  def cta_tile_n(self) -> int:
+    return self.tile_n * (self.num_compute_wgs if self.wg_split == "n" else 1)
+
+
+def default_config(m: int, n: int, k: int) -> MosaicConfig:
+  """Picks free knobs by shape. Only tiles, not the K walk, change."""
+  del k
+  if m <= 64:
+    # Decode-sized M: the weight stream dominates; small N tiles spread it
+    # over every SM (N / 64 CTAs).
+    return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
+                        max_concurrent_steps=6, epi_tile_m=64, epi_tile_n=64)
+  if m <= 256:
+    return MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
+                        max_concurrent_steps=5, grid_minor="m")
+  return MosaicConfig(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="m",
+                      max_concurrent_steps=4, grid_minor="m", grid_tile_width=8)
+
+
+def _transpose(ref):
+  return ref.transpose((1, 0))
+
+
+def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
+            rhs_transposed: bool):
+  dtype = a_gmem.dtype
+  out_dtype = out_gmem.dtype
+  itemsize = jnp.dtype(dtype).itemsize
+
+  def smem_transforms(minor_elems: int):
+    swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+  cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
+  m_iters, n_iters, k_iters = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), pl.cdiv(k, TILE_K)
+
+  if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
+    a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
+                             transforms=smem_transforms(cta_m))
+  else:  # [M, K]: smem tile [cta_m, TILE_K]
+    a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
+                             transforms=smem_transforms(TILE_K))
+  if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
+    b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
+                             transforms=smem_transforms(TILE_K))
+  else:  # [K, N]: smem tile [TILE_K, cta_n]
+    b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
+                             transforms=smem_transforms(cta_n))
+
+  epi_m, epi_n = min(cfg.epi_tile_m, cfg.tile_m), min(cfg.epi_tile_n, cfg.tile_n)
+  num_out_slots = min(2, (cfg.tile_m * cfg.tile_n) // (epi_m * epi_n))
+  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  out_transforms = (
+      plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+      plgpu.SwizzleTransform(out_swizzle),
+  )
+
+  def make_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[a_spec, b_spec],
+        wg_axis="wg",
+        num_compute_wgs=cfg.num_compute_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      out_smem=plgpu.SMEM((cfg.num_compute_wgs, num_out_slots, epi_m, epi_n), out_dtype,
+                          transforms=out_transforms),
+      collective_axes="wg",
+  )
+  def _scope(allocs, out_smem):
+    wg = lax.axis_index("wg")
+    minor = 0 if cfg.grid_minor == "m" else 1
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
+      cta_m_slice = pl.ds(mi * cta_m, cta_m)
+      cta_n_slice = pl.ds(ni * cta_n, cta_n)
+      if cfg.wg_split == "m":
+        wg_m, wg_n = pl.ds(wg * cfg.tile_m, cfg.tile_m), slice(None)
+      else:
+        wg_m, wg_n = slice(None), pl.ds(wg * cfg.tile_n, cfg.tile_n)
+
+      def compute_context(run_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n),
+                                                            jnp.float32))
+        def _acc_scope(acc_ref):
+          run_pipeline(acc_ref)
+          acc = acc_ref[...].astype(out_dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          n_epi = cfg.tile_n // epi_n
+          for em in range(cfg.tile_m // epi_m):
+            for en in range(n_epi):
+              slot = (em * n_epi + en) % num_out_slots
+              plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
+              out_smem[wg, slot] = acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg, slot],
+                  out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n]
+                  .at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)],
+              )
+
+      def mma(idxs, a_smem, b_smem, acc_ref):
+        del idxs
+        if lhs_transposed:
+          a_op = _transpose(a_smem.at[:, wg_m])
+        else:
+          a_op = a_smem.at[wg_m, :]
+        if rhs_transposed:
+          b_op = _transpose(b_smem.at[wg_n, :])
+        else:
+          b_op = b_smem.at[:, wg_n]
+        plgpu.wgmma(acc_ref, a_op, b_op)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
+      b_view = b_gmem.at[cta_n_slice, :] if rhs_transposed else b_gmem.at[:, cta_n_slice]
+      make_pipeline(mma, compute_context)(a_view, b_view, allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed: bool,
+                    rhs_transposed: bool) -> str | None:
+  """None when the kernel can run this shape, else the reason it cannot.
+
+  TMA needs each slice to fit inside the array and 16-byte aligned row
+  strides; shapes smaller than one tile go to another path (chosen by N and K
+  only, which are fixed for a given weight, never by M).
+  """
+  if k < TILE_K:
+    return f"K={k} < {TILE_K}"
+  if n < cfg.cta_tile_n:
+    return f"N={n} < CTA tile {cfg.cta_tile_n}"
+  if (k * 2) % 16 or (n * 2) % 16:
+    return "row strides must be multiples of 16 bytes (K and N multiples of 8)"
+  if lhs_transposed and m < cfg.cta_tile_m:
+    return f"transposed lhs with M={m} < CTA tile {cfg.cta_tile_m}"
+  if lhs_transposed and (m * 2) % 16:
+    return "transposed lhs needs M a multiple of 8"
+  return None
+
+
+def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
+           out_dtype, config: MosaicConfig | None = None) -> jax.Array:
+  """``op(lhs) @ op(rhs)`` on Hopper; shapes as in ``gemm_triton.matmul``.
+
+  A non-transposed lhs with fewer rows than one CTA tile is zero-padded up to
+  it (a copy of at most ``cta_tile_m`` activation rows; zero rows cannot
+  change the other rows' bits).
+  """
+  m = lhs.shape[1] if lhs_transposed else lhs.shape[0]
+  k = lhs.shape[0] if lhs_transposed else lhs.shape[1]
+  n = rhs.shape[0] if rhs_transposed else rhs.shape[1]
+  cfg = config or default_config(m, n, k)
+  why = supported_shape(m, n, k, cfg, lhs_transposed=lhs_transposed,
+                        rhs_transposed=rhs_transposed)
+  if why is not None:
+    raise ValueError(f"det_matmul(mosaic): unsupported shape: {why}")
+  m_run = m
+  if not lhs_transposed and m < cfg.cta_tile_m:
+    lhs = jnp.pad(lhs, ((0, cfg.cta_tile_m - m), (0, 0)))
+    m_run = cfg.cta_tile_m
+  num_sms = jax.devices()[0].core_count
+  kernel = functools.partial(_kernel, m=m_run, n=n, k=k, cfg=cfg,
+                             lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed)
+  f = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=cfg.num_compute_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  out = f(lhs, rhs)
+  return out[:m] if m_run != m else out

@@ -1,0 +1,29 @@
+"""Test configuration: the `gpu` marker skips with a reason where JAX sees no GPU."""
+
+import os
+
+import jax
+import pytest
+
+# Tests are fast on CPU; make sure 8 host devices exist for mesh tests even if the
+# caller forgot XLA_FLAGS (it must be set before jax initialises its backends).
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+
+def _has_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  if _has_gpu():
+    return
+  skip = pytest.mark.skip(reason=f"needs a CUDA GPU; JAX's default backend here is "
+                                 f"{jax.default_backend()!r}")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,0 +1,231 @@
+"""det_matmul on the CPU (Pallas interpret mode): accuracy, invariance, gradients, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxrl_kernels import det_matmul
+from jaxrl_kernels.gemm.reference import matmul_grads_reference, matmul_reference
+
+IMPL = "interpret"
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _inputs(dtype, m=70, k=150, n=90, seed=0, transpose_b=False):
+  ka, kb = jax.random.split(jax.random.key(seed))
+  a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (n, k) if transpose_b else (k, n), jnp.float32).astype(dtype)
+  return a, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_forward_matches_float64_reference(dtype, transpose_b):
+  a, b = _inputs(dtype, transpose_b=transpose_b)
+  out = det_matmul(a, b, transpose_b=transpose_b, implementation=IMPL)
+  assert out.dtype == jnp.dtype(dtype) and out.shape == (70, 90)
+  ref = matmul_reference(a, b, transpose_b=transpose_b)
+  assert rel_err(out, ref) <= TOL[dtype][0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_out_dtype_float32_keeps_the_accumulator(dtype):
+  a, b = _inputs(dtype)
+  out = det_matmul(a, b, out_dtype=jnp.float32, implementation=IMPL)
+  assert out.dtype == jnp.float32
+  # fp32 output of half inputs: only the product rounding remains.
+  assert rel_err(out, matmul_reference(a, b)) <= 1e-5
+
+
+def test_leading_dims_are_flattened():
+  a, b = _inputs("float32", m=24)
+  a3 = a.reshape(2, 3, 4, 150)
+  out = det_matmul(a3, b, implementation=IMPL)
+  assert out.shape == (2, 3, 4, 90)
+  assert_bitwise_equal(out.reshape(24, 90), det_matmul(a, b, implementation=IMPL), "3-D vs 2-D")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariance(dtype):
+  """Row r alone equals row r inside batches of every size (CONTRACT section 1, batch)."""
+  k, n = 130, 70
+  x = wide_rows(jax.random.key(1), 260, k, dtype)
+  w = jax.random.normal(jax.random.key(2), (k, n)).astype(dtype)
+  singles = {r: det_matmul(x[r:r + 1], w, implementation=IMPL) for r in (0, 63, 64, 129)}
+  for m in (130, 200, 260):
+    full = det_matmul(x[:m], w, implementation=IMPL)
+    for r, single in singles.items():
+      if r < m:
+        assert_bitwise_equal(full[r:r + 1], single, f"{dtype} row {r} at M={m}")
+
+
+def test_position_and_padding_invariance():
+  k, n = 96, 64
+  dtype = jnp.bfloat16
+  row = wide_rows(jax.random.key(3), 1, k, dtype)
+  w = jax.random.normal(jax.random.key(4), (k, n)).astype(dtype)
+  base = det_matmul(row, w, implementation=IMPL)
+  others = wide_rows(jax.random.key(5), 200, k, dtype)
+  for pos in (0, 77, 199):
+    batch = others.at[pos].set(row[0])
+    assert_bitwise_equal(det_matmul(batch, w, implementation=IMPL)[pos], base[0], f"pos {pos}")
+  # Padding: random rows prepended and appended.
+  padded = jnp.concatenate([others[:33], row, others[33:90]])
+  assert_bitwise_equal(det_matmul(padded, w, implementation=IMPL)[33], base[0], "padded")
+
+
+def test_chunking_invariance():
+  k, n = 100, 80
+  x = wide_rows(jax.random.key(6), 256, k, jnp.float32)
+  w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32)
+  full = det_matmul(x, w, implementation=IMPL)
+  for split in ((100, 156), (1, 255), (64, 64, 128), (17, 239)):
+    parts, start = [], 0
+    for size in split:
+      parts.append(det_matmul(x[start:start + size], w, implementation=IMPL))
+      start += size
+    assert_bitwise_equal(jnp.concatenate(parts), full, f"chunks {split}")
+
+
+def test_run_to_run_and_mode_invariance():
+  a, b = _inputs("bfloat16", m=40, k=64, n=48)
+  first = bits(det_matmul(a, b, implementation=IMPL))
+  for _ in range(20):
+    assert np.array_equal(bits(det_matmul(a, b, implementation=IMPL)), first)
+  jitted = jax.jit(lambda a, b: det_matmul(a, b, implementation=IMPL))
+  assert np.array_equal(bits(jitted(a, b)), first)
+  # The forward inside a training step (under jax.vjp) gives the same bits.
+  primal, _ = jax.vjp(lambda a, b: det_matmul(a, b, implementation=IMPL), a, b)
+  assert np.array_equal(bits(primal), first)
+
+
+def test_xla_control_changes_bits_on_cpu():
+  """The non-invariant baseline does change a row's bits with the batch size here,
+  so the invariance tests above would catch a reordering."""
+  k, n = 200, 130
+  x = wide_rows(jax.random.key(8), 300, k, jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(9), (k, n)).astype(jnp.bfloat16)
+  full = det_matmul(x, w, implementation="xla")
+  changed = [r for r in range(0, 300, 7)
+             if not np.array_equal(bits(det_matmul(x[r:r + 1], w, implementation="xla")),
+                                   bits(full[r:r + 1]))]
+  assert changed, "jnp.dot gave batch-invariant rows on these inputs: the inputs are too weak"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_gradients_match_float64_reference(dtype, transpose_b):
+  a, b = _inputs(dtype, m=50, k=70, n=40, seed=3, transpose_b=transpose_b)
+  g = jax.random.normal(jax.random.key(11), (50, 40), jnp.float32).astype(dtype)
+  _, vjp = jax.vjp(lambda a, b: det_matmul(a, b, transpose_b=transpose_b, implementation=IMPL),
+                   a, b)
+  da, db = vjp(g)
+  assert da.dtype == a.dtype and db.dtype == b.dtype and db.shape == b.shape
+  rda, rdb = matmul_grads_reference(a, b, g, transpose_b=transpose_b)
+  assert rel_err(da, rda) <= TOL[dtype][1]
+  assert rel_err(db, rdb) <= TOL[dtype][1]
+
+
+def test_backward_uses_no_xla_dot():
+  a, b = _inputs("float32", m=16, k=32, n=24)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda a, b: det_matmul(a, b, implementation=IMPL).sum(),
+                                  argnums=(0, 1)))(a, b)
+  text = str(jaxpr)
+  assert "pallas_call" in text
+  # dot_generals appear only inside the Pallas kernels' bodies.
+  outer = [str(e.primitive) for e in jaxpr.jaxpr.eqns]
+  assert "dot_general" not in outer
+
+
+def test_grad_rows_are_batch_invariant():
+  k, n = 64, 96
+  x = wide_rows(jax.random.key(12), 150, k, jnp.float32)
+  w = jax.random.normal(jax.random.key(13), (k, n), jnp.float32)
+  gout = wide_rows(jax.random.key(14), 150, n, jnp.float32)
+
+  def da(xs, gs):
+    _, vjp = jax.vjp(lambda a: det_matmul(a, w, implementation=IMPL), xs)
+    return vjp(gs)[0]
+
+  full = da(x, gout)
+  for r in (0, 75, 149):
+    assert_bitwise_equal(da(x[r:r + 1], gout[r:r + 1]), full[r:r + 1], f"dA row {r}")
+
+
+def test_db_is_run_to_run_deterministic():
+  a, b = _inputs("bfloat16", m=130, k=64, n=72)
+  f = jax.jit(jax.grad(lambda b: det_matmul(a, b, implementation=IMPL).astype(jnp.float32).sum()))
+  first = bits(f(b))
+  for _ in range(5):
+    assert np.array_equal(bits(f(b)), first)
+
+
+def test_jit_vmap_grad_compose():
+  a, b = _inputs("float32", m=12, k=40, n=20)
+  batched = jnp.stack([a, 2 * a, -a])
+  f = lambda x: det_matmul(x, b, implementation=IMPL)
+  vm = jax.jit(jax.vmap(f))(batched)
+  for i in range(3):
+    assert_bitwise_equal(vm[i], f(batched[i]), f"vmap slice {i}")
+  g = jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(a)
+  ref = 2 * matmul_reference(a, b) @ np.asarray(b, np.float64).T
+  assert rel_err(g, ref) <= 1e-4
+
+
+def test_empty_and_degenerate_shapes():
+  b = jnp.ones((16, 8), jnp.float32)
+  assert det_matmul(jnp.ones((0, 16)), b, implementation=IMPL).shape == (0, 8)
+  assert det_matmul(jnp.ones((2, 0, 16)), b, implementation=IMPL).shape == (2, 0, 8)
+  out = det_matmul(jnp.ones((3, 16)), b, implementation=IMPL)
+  np.testing.assert_array_equal(np.asarray(out), np.full((3, 8), 16.0))
+  da = jax.grad(lambda x: det_matmul(x, b, implementation=IMPL).sum())(jnp.ones((0, 16)))
+  assert da.shape == (0, 16)
+
+
+def test_bad_inputs_raise_clear_errors():
+  a = jnp.ones((4, 8), jnp.float32)
+  with pytest.raises(ValueError, match=r"K=8 .* K=9"):
+    det_matmul(a, jnp.ones((9, 3), jnp.float32))
+  with pytest.raises(ValueError, match=r"\[N, K\] has K=3"):
+    det_matmul(a, jnp.ones((8, 3), jnp.float32), transpose_b=True)
+  with pytest.raises(TypeError, match="same dtype"):
+    det_matmul(a, jnp.ones((8, 3), jnp.bfloat16))
+  with pytest.raises(TypeError, match="int32"):
+    det_matmul(a.astype(jnp.int32), jnp.ones((8, 3), jnp.int32))
+  with pytest.raises(ValueError, match="2-D"):
+    det_matmul(a, jnp.ones((8,), jnp.float32))
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    det_matmul(a, jnp.ones((8, 3)), implementation="cublas")
+  with pytest.raises(TypeError, match="transpose_b"):
+    det_matmul(a, jnp.ones((8, 3)), transpose_b=1)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error path")
+@pytest.mark.parametrize("impl", ["mosaic", "triton", "cuda"])
+def test_gpu_implementations_explain_what_is_missing_on_cpu(impl):
+  with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+    det_matmul(jnp.ones((4, 8)), jnp.ones((8, 3)), implementation=impl)
+
+
+def test_default_implementation_on_cpu_is_interpret():
+  from jaxrl_kernels.gemm.api import resolve_implementation
+  if jax.default_backend() == "cpu":
+    assert resolve_implementation(None, jnp.bfloat16, 128, 128) == "interpret"
+
+
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(1, 80), k=st.integers(1, 150), n=st.integers(1, 140),
+       dtype=st.sampled_from(DTYPES), transpose_b=st.booleans(), seed=st.integers(0, 2**16))
+def test_hypothesis_shapes(m, k, n, dtype, transpose_b, seed):
+  a, b = _inputs(dtype, m=m, k=k, n=n, seed=seed, transpose_b=transpose_b)
+  out = det_matmul(a, b, transpose_b=transpose_b, implementation=IMPL)
+  assert out.shape == (m, n)
+  assert rel_err(out, matmul_reference(a, b, transpose_b=transpose_b)) <= TOL[dtype][0]
+  r = m // 2
+  assert_bitwise_equal(out[r:r + 1],
+                       det_matmul(a[r:r + 1], b, transpose_b=transpose_b, implementation=IMPL),
+                       "single row")

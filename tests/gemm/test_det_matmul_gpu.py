@@ -1,0 +1,136 @@
+"""det_matmul on a CUDA GPU: the compiled kernels (Mosaic on Hopper, Triton)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
+
+from jaxrl_kernels import det_matmul
+from jaxrl_kernels._backend import is_hopper
+from jaxrl_kernels.gemm.reference import matmul_grads_reference, matmul_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _impls(dtype):
+  out = ["triton"]
+  if jax.default_backend() == "gpu" and is_hopper() and dtype != "float32":
+    out.insert(0, "mosaic")
+  return out
+
+
+CASES = [(impl, dt) for dt in ("bfloat16", "float16", "float32") for impl in _impls(dt)]
+
+
+@pytest.mark.parametrize("impl,dtype", CASES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("shape", [(1000, 1000, 1032), (256, 512, 384), (3, 192, 136)])
+def test_accuracy_vs_float64(impl, dtype, transpose_b, shape):
+  m, k, n = shape
+  ka, kb = jax.random.split(jax.random.key(m + k + n))
+  a = jax.random.normal(ka, (m, k)).astype(dtype)
+  b = jax.random.normal(kb, (n, k) if transpose_b else (k, n)).astype(dtype)
+  out = det_matmul(a, b, transpose_b=transpose_b, implementation=impl)
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert rel_err(out, matmul_reference(a, b, transpose_b=transpose_b)) <= TOL[dtype][0]
+
+
+@pytest.mark.parametrize("impl,dtype", CASES)
+def test_batch_invariance_sweep(impl, dtype):
+  """Rows at the start, middle and end of batches of 1 ... 8192 rows equal the row alone."""
+  k, n = 1024, 1536
+  x = wide_rows(jax.random.key(0), 8192, k, dtype)
+  w = jax.random.normal(jax.random.key(1), (k, n)).astype(dtype)
+  f = jax.jit(lambda x: det_matmul(x, w, implementation=impl))
+  probe = [0, 1, 63, 64, 127, 128, 1000, 4095, 8191]
+  singles = {r: bits(f(x[r:r + 1])) for r in probe}
+  for m in (2, 7, 64, 65, 200, 256, 1000, 1024, 3000, 4096, 8192):
+    out = np.asarray(f(x[:m]))
+    for r in probe:
+      if r < m:
+        assert np.array_equal(bits(out[r:r + 1]), singles[r]), f"{impl} {dtype} row {r} M={m}"
+
+
+@pytest.mark.parametrize("impl,dtype", CASES)
+def test_position_padding_chunking(impl, dtype):
+  k, n = 768, 1024
+  rows = wide_rows(jax.random.key(2), 512, k, dtype)
+  w = jax.random.normal(jax.random.key(3), (k, n)).astype(dtype)
+  f = lambda x: det_matmul(x, w, implementation=impl)
+  base = f(rows[:1])
+  for pos in (0, 137, 511):
+    assert_bitwise_equal(f(rows.at[pos].set(rows[0]))[pos], base[0], f"position {pos}")
+  pad = wide_rows(jax.random.key(4), 300, k, dtype)
+  assert_bitwise_equal(f(jnp.concatenate([pad, rows[:1], pad]))[300], base[0], "padding")
+  full = f(rows)
+  for split in ((100, 412), (1, 511), (256, 1, 255)):
+    parts, s = [], 0
+    for size in split:
+      parts.append(f(rows[s:s + size]))
+      s += size
+    assert_bitwise_equal(jnp.concatenate(parts), full, f"chunks {split}")
+
+
+@pytest.mark.parametrize("impl,dtype", CASES)
+def test_run_to_run(impl, dtype):
+  a = wide_rows(jax.random.key(5), 2048, 2048, dtype)
+  b = jax.random.normal(jax.random.key(6), (2048, 2048)).astype(dtype)
+  f = jax.jit(lambda a, b: det_matmul(a, b, implementation=impl))
+  first = bits(f(a, b))
+  for _ in range(20):
+    assert np.array_equal(bits(f(a, b)), first)
+
+
+@pytest.mark.skipif(not (jax.default_backend() == "gpu" and is_hopper()), reason="needs Hopper")
+def test_every_mosaic_config_gives_the_same_bits():
+  """The free knobs (M/N tile, warpgroups, stages, walk order) keep every bit."""
+  from jaxrl_kernels.pallas import gemm_mosaic as gm
+  k, n, m = 1024, 2048, 700
+  a = wide_rows(jax.random.key(7), m, k, jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(8), (k, n)).astype(jnp.bfloat16)
+  configs = [
+      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n"),
+      gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m", grid_minor="m"),
+      gm.MosaicConfig(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="m",
+                      grid_tile_width=8),
+      gm.MosaicConfig(tile_m=128, tile_n=64, num_compute_wgs=2, wg_split="n"),
+      gm.MosaicConfig(tile_m=128, tile_n=256, num_compute_wgs=2, wg_split="m",
+                      max_concurrent_steps=3),
+      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="n",
+                      max_concurrent_steps=3),
+  ]
+  outs = [bits(gm.matmul(a, b, lhs_transposed=False, rhs_transposed=False,
+                         out_dtype=jnp.bfloat16, config=c)) for c in configs]
+  for c, o in zip(configs[1:], outs[1:]):
+    assert np.array_equal(o, outs[0]), f"{c} changed bits vs {configs[0]}"
+
+
+@pytest.mark.parametrize("impl,dtype", CASES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_gradients(impl, dtype, transpose_b):
+  m, k, n = 300, 512, 640
+  ka, kb, kg = jax.random.split(jax.random.key(9), 3)
+  a = jax.random.normal(ka, (m, k)).astype(dtype)
+  b = jax.random.normal(kb, (n, k) if transpose_b else (k, n)).astype(dtype)
+  g = jax.random.normal(kg, (m, n)).astype(dtype)
+  _, vjp = jax.vjp(lambda a, b: det_matmul(a, b, transpose_b=transpose_b, implementation=impl),
+                   a, b)
+  da, db = vjp(g)
+  rda, rdb = matmul_grads_reference(a, b, g, transpose_b=transpose_b)
+  assert rel_err(da, rda) <= TOL[dtype][1]
+  assert rel_err(db, rdb) <= TOL[dtype][1]
+  # dA rows are batch-invariant.
+  _, vjp1 = jax.vjp(lambda a: det_matmul(a, b, transpose_b=transpose_b, implementation=impl),
+                    a[5:6])
+  assert_bitwise_equal(vjp1(g[5:6])[0], da[5:6], "dA row 5")
+
+
+def test_xla_control_changes_bits_on_gpu():
+  k, n = 4096, 4096
+  x = wide_rows(jax.random.key(10), 4096, k, jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(11), (k, n)).astype(jnp.bfloat16)
+  f = jax.jit(lambda x: jnp.dot(x, w))
+  full = bits(f(x))
+  changed = sum(not np.array_equal(bits(f(x[r:r + 1])), full[r:r + 1]) for r in range(0, 4096, 256))
+  assert changed > 0, "jnp.dot was batch-invariant on these inputs"

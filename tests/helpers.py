@@ -1,0 +1,46 @@
+"""Shared test helpers: reordering-revealing inputs and raw-bit comparison."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def bits(x) -> np.ndarray:
+  """The raw bits of a float array, for bitwise comparisons (atol = rtol = 0)."""
+  x = np.asarray(x)
+  return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def assert_bitwise_equal(x, y, what: str = ""):
+  bx, by = bits(x), bits(y)
+  assert bx.shape == by.shape, f"{what}: shapes {bx.shape} vs {by.shape}"
+  if not np.array_equal(bx, by):
+    diff = int(np.sum(bx != by))
+    raise AssertionError(f"{what}: {diff} of {bx.size} elements differ in their bits")
+
+
+def wide_rows(key, m: int, k: int, dtype, *, spread: int = 10) -> jax.Array:
+  """Normal rows scaled by 2**e, e in [-spread, spread]: reveals any change of
+  the reduction order (a reordered sum of such terms rounds differently)."""
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (m, k), jnp.float32)
+  col_scale = 2.0 ** jax.random.randint(k2, (1, k), -spread, spread + 1).astype(jnp.float32)
+  row_scale = 2.0 ** (jnp.arange(m, dtype=jnp.float32)[:, None] % (2 * spread + 1) - spread)
+  return (x * col_scale * row_scale).astype(dtype)
+
+
+def rel_err(out, ref) -> float:
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  denom = np.linalg.norm(ref)
+  return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+# CONTRACT.md section 2: relative error bounds (forward, gradients) per input dtype.
+TOL = {
+    "float32": (1e-5, 1e-4),
+    "bfloat16": (1e-2, 2e-2),
+    "float16": (2e-3, 1e-2),
+}
