@@ -35,12 +35,16 @@ def _gemm2d(lhs, rhs, *, lhs_transposed: bool, rhs_transposed: bool, out_dtype,
   kw = dict(lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed, out_dtype=out_dtype)
   if implementation == "mosaic":
     from jaxrl_kernels.pallas import gemm_mosaic
-    cfg = gemm_mosaic.default_config(m, n, k)
-    if gemm_mosaic.supported_shape(m, n, k, cfg, lhs_transposed=lhs_transposed,
-                                   rhs_transposed=rhs_transposed) is None:
-      return gemm_mosaic.matmul(lhs, rhs, config=cfg, **kw)
-    # Only reached by backward products whose shape the Mosaic kernel does not
-    # take (dB with few tokens); forward calls were routed by N and K already.
+    if lhs_transposed:
+      # dB = A^T dC reduces over tokens: its kernel may depend on M (dB is only
+      # run-to-run deterministic, never batch-invariant).
+      cfg = gemm_mosaic.default_config(m, n, k)
+      ok = gemm_mosaic.supported_shape(m, n, -(-k // 64) * 64, cfg, lhs_transposed=True,
+                                       rhs_transposed=rhs_transposed) is None
+    else:
+      ok = _mosaic_can_run(n, k)  # by N and K only: the same kernel for every M
+    if ok:
+      return gemm_mosaic.matmul(lhs, rhs, **kw)
     implementation = "triton"
   if implementation == "cuda":
     from jaxrl_kernels.custom_calls import gemm_ffi
@@ -49,10 +53,10 @@ def _gemm2d(lhs, rhs, *, lhs_transposed: bool, rhs_transposed: bool, out_dtype,
   return gemm_triton.matmul(lhs, rhs, interpret=implementation == "interpret", **kw)
 
 
-def _mosaic_can_run(n: int, k: int, dtype) -> bool:
+def _mosaic_can_run(n: int, k: int) -> bool:
   """Whether the Mosaic kernel takes this weight shape (decided by N and K only)."""
   from jaxrl_kernels.pallas import gemm_mosaic
-  for m in (1, 4096):  # every M-dependent config must accept the weight
+  for m in (1, 128, 4096):  # every M-dependent config must accept the weight
     cfg = gemm_mosaic.default_config(m, n, k)
     if gemm_mosaic.supported_shape(m, n, k, cfg, lhs_transposed=False,
                                    rhs_transposed=False) is not None:
@@ -86,10 +90,10 @@ def _validate(a, b, transpose_b: bool, out_dtype):
 def resolve_implementation(implementation: str | None, dtype, n: int, k: int) -> str:
   """The implementation ``det_matmul`` runs for a weight of shape K x N."""
   impl = _backend.resolve("det_matmul", implementation, dtype, supported=_SUPPORTED)
-  if impl == "mosaic" and not _mosaic_can_run(n, k, dtype):
+  if impl == "mosaic" and not _mosaic_can_run(n, k):
     if implementation == "mosaic":
-      raise ValueError(f"det_matmul: implementation='mosaic' needs K >= 64, N >= 128 and K, N "
-                       f"multiples of 8; got K={k}, N={n}. Use implementation='triton'")
+      raise ValueError(f"det_matmul: implementation='mosaic' needs K and N multiples of 64 "
+                       f"(N >= 128); got K={k}, N={n}. Use implementation='triton'")
     impl = "triton"  # by weight shape only: the same for every batch size
   return impl
 

@@ -54,18 +54,22 @@ class MosaicConfig:
 
 
 def default_config(m: int, n: int, k: int) -> MosaicConfig:
-  """Picks free knobs by shape. Only tiles, not the K walk, change."""
+  """Picks free knobs by shape (measured on an H100: benchmarks/tune_gemm_mosaic.py).
+
+  Only tiles, warpgroups and walk order change; every config gives the same
+  bits (tests/gemm/test_det_matmul_gpu.py::test_every_mosaic_config_gives_the_same_bits).
+  """
   del k
   if m <= 64:
-    # Decode-sized M: the weight stream dominates; small N tiles spread it
-    # over every SM (N / 64 CTAs).
+    # Decode-sized M: the weight stream dominates; small N tiles spread it over
+    # the SMs and a deep pipeline keeps enough bytes in flight.
     return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
-                        max_concurrent_steps=6, epi_tile_m=64, epi_tile_n=64)
-  if m <= 256:
-    return MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
-                        max_concurrent_steps=5, grid_minor="m")
-  return MosaicConfig(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="m",
-                      max_concurrent_steps=4, grid_minor="m", grid_tile_width=8)
+                        max_concurrent_steps=8)
+  if m <= 512 or n < 256:
+    return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
+                        max_concurrent_steps=6)
+  return MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+                      max_concurrent_steps=3, grid_minor="m", grid_tile_width=8)
 
 
 def _transpose(ref):
@@ -183,24 +187,39 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, cfg: MosaicConfig, lhs_transpo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+# Shared memory per CTA on Hopper (227 KiB), less a margin for barriers.
+_SMEM_BYTES = 232448 - 1024
+
+
+def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int) -> MosaicConfig:
+  """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
+  epi = min(cfg.epi_tile_m, cfg.tile_m) * min(cfg.epi_tile_n, cfg.tile_n)
+  slots = min(2, (cfg.tile_m * cfg.tile_n) // epi)
+  out_bytes = cfg.num_compute_wgs * slots * epi * out_itemsize
+  stage = (cfg.cta_tile_m + cfg.cta_tile_n) * TILE_K * itemsize
+  steps = cfg.max_concurrent_steps
+  while steps > 2 and steps * stage + out_bytes > _SMEM_BYTES:
+    steps -= 1
+  return dataclasses.replace(cfg, max_concurrent_steps=steps)
+
+
 def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed: bool,
                     rhs_transposed: bool) -> str | None:
   """None when the kernel can run this shape, else the reason it cannot.
 
-  TMA needs each slice to fit inside the array and 16-byte aligned row
-  strides; shapes smaller than one tile go to another path (chosen by N and K
-  only, which are fixed for a given weight, never by M).
+  Mosaic's TMA tiling needs every dimension that is the minor (contiguous)
+  dimension of a swizzled tile to be a multiple of 64 elements, and operands
+  at least one CTA tile wide. Row counts are padded to multiples of 8 by
+  ``matmul`` itself. Callers route other shapes to the Triton kernel by N and
+  K only (fixed for a given weight), never by M.
   """
-  if k < TILE_K:
-    return f"K={k} < {TILE_K}"
-  if n < cfg.cta_tile_n:
-    return f"N={n} < CTA tile {cfg.cta_tile_n}"
-  if (k * 2) % 16 or (n * 2) % 16:
-    return "row strides must be multiples of 16 bytes (K and N multiples of 8)"
-  if lhs_transposed and m < cfg.cta_tile_m:
-    return f"transposed lhs with M={m} < CTA tile {cfg.cta_tile_m}"
-  if lhs_transposed and (m * 2) % 16:
-    return "transposed lhs needs M a multiple of 8"
+  del rhs_transposed
+  if k < TILE_K or k % TILE_K:
+    return f"K={k} is not a positive multiple of {TILE_K}"
+  if n < cfg.cta_tile_n or n % 64:
+    return f"N={n} is not a multiple of 64 of at least the CTA tile {cfg.cta_tile_n}"
+  if lhs_transposed and (m < cfg.cta_tile_m or m % 64):
+    return f"transposed lhs: M={m} is not a multiple of 64 of at least {cfg.cta_tile_m}"
   return None
 
 
@@ -208,22 +227,34 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
            out_dtype, config: MosaicConfig | None = None) -> jax.Array:
   """``op(lhs) @ op(rhs)`` on Hopper; shapes as in ``gemm_triton.matmul``.
 
-  A non-transposed lhs with fewer rows than one CTA tile is zero-padded up to
-  it (a copy of at most ``cta_tile_m`` activation rows; zero rows cannot
-  change the other rows' bits).
+  Rows the TMA tiling cannot take are zero-padded: a non-transposed lhs up to
+  a multiple of 8 rows (and at least one CTA tile), and for a transposed lhs
+  (the weight gradient) the reduction rows of both operands. Zero rows never
+  change other rows' bits, and zero reduction terms add exactly 0.
   """
   m = lhs.shape[1] if lhs_transposed else lhs.shape[0]
   k = lhs.shape[0] if lhs_transposed else lhs.shape[1]
   n = rhs.shape[0] if rhs_transposed else rhs.shape[1]
+  if lhs_transposed:
+    # The reduction runs over lhs rows (tokens); the K tile applies to them.
+    k_red = k
+    if k_red % TILE_K:
+      k_pad = -(-k_red // TILE_K) * TILE_K
+      lhs = jnp.pad(lhs, ((0, k_pad - k_red), (0, 0)))
+      rhs = jnp.pad(rhs, ((0, k_pad - k_red), (0, 0)) if not rhs_transposed else
+                    ((0, 0), (0, k_pad - k_red)))
+      k = k_pad
   cfg = config or default_config(m, n, k)
+  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
   why = supported_shape(m, n, k, cfg, lhs_transposed=lhs_transposed,
                         rhs_transposed=rhs_transposed)
   if why is not None:
     raise ValueError(f"det_matmul(mosaic): unsupported shape: {why}")
   m_run = m
-  if not lhs_transposed and m < cfg.cta_tile_m:
-    lhs = jnp.pad(lhs, ((0, cfg.cta_tile_m - m), (0, 0)))
-    m_run = cfg.cta_tile_m
+  if not lhs_transposed:
+    m_run = max(cfg.cta_tile_m, -(-m // 8) * 8)
+    if m_run != m:
+      lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0)))
   num_sms = jax.devices()[0].core_count
   kernel = functools.partial(_kernel, m=m_run, n=n, k=k, cfg=cfg,
                              lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed)

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.gpu
 def _impls(dtype):
   out = ["triton"]
   if jax.default_backend() == "gpu" and is_hopper() and dtype != "float32":
+    out.append("cuda")
+  if jax.default_backend() == "gpu" and is_hopper() and dtype != "float32":
     out.insert(0, "mosaic")
   return out
 
@@ -25,7 +27,7 @@ CASES = [(impl, dt) for dt in ("bfloat16", "float16", "float32") for impl in _im
 
 @pytest.mark.parametrize("impl,dtype", CASES)
 @pytest.mark.parametrize("transpose_b", [False, True])
-@pytest.mark.parametrize("shape", [(1000, 1000, 1032), (256, 512, 384), (3, 192, 136)])
+@pytest.mark.parametrize("shape", [(999, 1024, 1088), (256, 512, 384), (3, 192, 192)])
 def test_accuracy_vs_float64(impl, dtype, transpose_b, shape):
   m, k, n = shape
   ka, kb = jax.random.split(jax.random.key(m + k + n))
@@ -95,8 +97,8 @@ def test_every_mosaic_config_gives_the_same_bits():
       gm.MosaicConfig(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="m",
                       grid_tile_width=8),
       gm.MosaicConfig(tile_m=128, tile_n=64, num_compute_wgs=2, wg_split="n"),
-      gm.MosaicConfig(tile_m=128, tile_n=256, num_compute_wgs=2, wg_split="m",
-                      max_concurrent_steps=3),
+      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+                      max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
       gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="n",
                       max_concurrent_steps=3),
   ]
@@ -124,6 +126,22 @@ def test_gradients(impl, dtype, transpose_b):
   _, vjp1 = jax.vjp(lambda a: det_matmul(a, b, transpose_b=transpose_b, implementation=impl),
                     a[5:6])
   assert_bitwise_equal(vjp1(g[5:6])[0], da[5:6], "dA row 5")
+
+
+@pytest.mark.parametrize("shape", [(1000, 1000, 1032), (7, 100, 50)])
+def test_ragged_weights_route_to_triton(shape):
+  """K or N off the Mosaic tiling: the default picks Triton for every M (by weight shape)."""
+  from jaxrl_kernels.gemm.api import resolve_implementation
+  m, k, n = shape
+  assert resolve_implementation(None, jnp.bfloat16, n, k) == "triton"
+  a = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (k, n)).astype(jnp.bfloat16)
+  out = det_matmul(a, b)
+  assert rel_err(out, matmul_reference(a, b)) <= TOL["bfloat16"][0]
+  assert_bitwise_equal(det_matmul(a[m // 2:m // 2 + 1], b), out[m // 2:m // 2 + 1], "mid row")
+  if is_hopper():
+    with pytest.raises(ValueError, match="multiples of 64"):
+      det_matmul(a, b, implementation="mosaic")
 
 
 def test_xla_control_changes_bits_on_gpu():

@@ -1,0 +1,76 @@
+"""Sweep the Mosaic GEMM's free knobs per shape; check every config gives the same bits.
+
+  PYTHONPATH=$PWD python benchmarks/tune_gemm_mosaic.py [--shapes M,K,N;...]
+"""
+
+import argparse
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import copies_for, device_ms
+
+from jaxrl_kernels.pallas import gemm_mosaic as gm
+
+C = gm.MosaicConfig
+SMALL = [
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=12),
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=10,
+      grid_minor="m"),
+    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
+]
+LARGE = [
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=8),
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=16),
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=4),
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=4,
+      grid_minor="n", grid_tile_width=8),
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=3,
+      grid_minor="m", grid_tile_width=8),
+    C(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="n", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=16),
+]
+MID = LARGE[:3]
+SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336, 4096),
+          (4096, 4096, 4096), (8192, 4096, 14336), (8192, 4096, 151936)]
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shapes", default=None)
+  args = p.parse_args()
+  shapes = SHAPES
+  if args.shapes:
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+  for m, k, n in shapes:
+    a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    reps = copies_for(k * n * 2)
+    bs = [jax.random.normal(jax.random.key(i + 1), (k, n), jnp.bfloat16) for i in range(reps)]
+    flops = 2.0 * m * n * k
+    ref_ms = device_ms(jax.jit(lambda a, bs: [jnp.dot(a, b) for b in bs]), a, bs) / reps
+    print(f"== M={m} K={k} N={n}: jnp.dot {ref_ms * 1e3:.1f} us "
+          f"{flops / ref_ms / 1e9:.1f} TFLOP/s", flush=True)
+    configs = SMALL if m <= 64 else (MID if m <= 1024 else LARGE)
+    digest0 = None
+    for cfg in configs:
+      try:
+        f = jax.jit(lambda a, bs, cfg=cfg: [gm.matmul(a, b, lhs_transposed=False,
+                                                       rhs_transposed=False,
+                                                       out_dtype=jnp.bfloat16, config=cfg)
+                                             for b in bs])
+        ms = device_ms(f, a, bs) / reps
+        digest = hashlib.sha1(np.asarray(f(a, bs[:1])[0]).view(np.uint16).tobytes()).hexdigest()
+        digest0 = digest0 or digest
+        print(f"  {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s {ref_ms / ms:5.2f}x "
+              f"bits={'same' if digest == digest0 else 'DIFFERENT'} {cfg}", flush=True)
+      except Exception as e:  # noqa: BLE001 - a sweep report
+        print(f"  FAIL {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
