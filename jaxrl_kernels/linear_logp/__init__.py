@@ -1,0 +1,8 @@
+"""Fused LM-head log-probs: ``linear_logp`` and the pieces its TP form reuses."""
+
+from jaxrl_kernels.linear_logp.api import check_targets as check_targets
+from jaxrl_kernels.linear_logp.api import linear_logp as linear_logp
+from jaxrl_kernels.linear_logp.merge import VOCAB_TILE as VOCAB_TILE
+from jaxrl_kernels.linear_logp.merge import finalize as finalize
+from jaxrl_kernels.linear_logp.merge import merge_partials as merge_partials
+from jaxrl_kernels.linear_logp.merge import tile_partials as tile_partials

@@ -1,0 +1,294 @@
+"""Fused LM-head backward in Pallas: logits recomputed tile by tile, never stored whole.
+
+With ``z = (h W + b) / temperature``, ``p = softmax(z)`` and the O(T) residuals
+``lse`` and ``mean_z = sum p z`` from the forward, the logit cotangent is
+
+    dz = (g_logp (onehot(t) - p) - g_ent p (z - mean_z)) / temperature.
+
+The vocabulary is walked in chunks of ``chunk`` columns (a ``lax.fori_loop``,
+so one chunk buffer is live at a time); per chunk, three kernels:
+
+1. ``_dlogits_kernel`` (grid: token blocks x vocab tiles of the chunk):
+   recomputes the logits tile with :func:`linear_logp_fwd.logits_tile` (the
+   forward's own code) and writes ``dz`` for the chunk, ``[T, chunk]``.
+2. ``_dhidden_kernel`` (grid: token blocks x H blocks): ``dH += dz W_chunk^T``
+   into a float32 accumulator, ascending over the chunk's columns; chunks come
+   in ascending order, so each dH row is one fixed sequence of float32 adds
+   over the vocabulary: batch-invariant.
+3. ``_dweight_kernel`` (grid: H blocks x vocab blocks of the chunk): ``dW_chunk
+   = h^T dz`` (and ``db = sum_t dz``), ascending over token blocks:
+   deterministic run to run (it depends on the batch by its nature).
+
+Memory: ``[T, chunk]`` for ``dz`` plus a float32 ``[T, H]`` accumulator; no
+``[T, V]`` array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxrl_kernels.pallas import linear_logp_fwd as fwd
+from jaxrl_kernels.pallas.linear_logp_fwd import VOCAB_TILE
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+  """Free tiling knobs of the backward (the defaults never depend on T).
+
+  Attributes:
+    chunk: vocab columns per step of the chunk loop (a multiple of VOCAB_TILE);
+      bounds the ``[T, chunk]`` cotangent buffer.
+    logits: tiles of the logits recomputation (same meaning as the forward's).
+    dh_block_t, dh_block_h, dh_block_v: dH tiles (token rows, H columns, and
+      the vocab step of its reduction).
+    dw_block_h, dw_block_v, dw_block_t: dW tiles (H rows, vocab columns, and
+      the token step of its reduction).
+  """
+
+  chunk: int = 4096
+  logits: fwd.TuningConfig = fwd.TuningConfig()
+  dh_block_t: int = 128
+  dh_block_h: int = 128
+  dh_block_v: int = 64
+  dw_block_h: int = 128
+  dw_block_v: int = 128
+  dw_block_t: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+
+
+def default_config(compute_dtype, interpret: bool) -> BwdConfig:
+  logits = fwd.default_config(compute_dtype, interpret)
+  if interpret:
+    return BwdConfig(chunk=512, logits=logits, dh_block_t=32, dh_block_h=64, dh_block_v=128,
+                     dw_block_h=64, dw_block_v=128, dw_block_t=32)
+  if jnp.dtype(compute_dtype) == jnp.float32:
+    return BwdConfig(chunk=4096, logits=logits, dh_block_t=64, dh_block_h=64, dh_block_v=32,
+                     dw_block_h=64, dw_block_v=64, dw_block_t=32, num_warps=4, num_stages=3)
+  return BwdConfig(chunk=4096, logits=logits)
+
+
+def _params(cfg: BwdConfig, interpret: bool) -> dict:
+  if interpret:
+    return {}
+  return {"compiler_params": pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                                     num_stages=cfg.num_stages)}
+
+
+def _dlogits_kernel(*refs, t, n_t, n_v, has_bias, block_t, group_t, temperature,
+                    vocab_offset, **tile_kw):
+  if has_bias:
+    off_ref, h_ref, w_ref, b_ref, tg_ref, lse_ref, mean_ref, gl_ref, ge_ref, dz_ref = refs
+  else:
+    off_ref, h_ref, w_ref, tg_ref, lse_ref, mean_ref, gl_ref, ge_ref, dz_ref = refs
+    b_ref = None
+  i, j = fwd.swizzle(pl.program_id(0), n_t, n_v, group_t)
+  row0 = i * block_t
+  col0 = off_ref[0] + j * VOCAB_TILE
+  z, rows, cols, row_ok, col_ok = fwd.logits_tile(
+      h_ref, w_ref, b_ref, row0, col0, t=t, block_t=block_t, temperature=temperature, **tile_kw)
+  rs = pl.ds(row0, block_t)
+  lse = pltriton.load(lse_ref.at[rs], mask=row_ok, other=0)
+  mean = pltriton.load(mean_ref.at[rs], mask=row_ok, other=0)
+  gl = pltriton.load(gl_ref.at[rs], mask=row_ok, other=0)
+  ge = pltriton.load(ge_ref.at[rs], mask=row_ok, other=0)
+  tg = pltriton.load(tg_ref.at[rs], mask=row_ok, other=-1) - vocab_offset
+  p = jnp.exp(z - lse[:, None])  # 0 on masked columns (z = -inf)
+  zc = jnp.where(col_ok[None, :], z - mean[:, None], 0.0)
+  onehot = (cols[None, :] == tg[:, None]).astype(jnp.float32)
+  dz = gl[:, None] * (onehot - p) - ge[:, None] * (p * zc)
+  if temperature != 1.0:
+    dz = dz / jnp.float32(temperature)
+  dz = jnp.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
+  # Columns past the vocabulary are written as zeros: the later kernels read
+  # the whole chunk.
+  pltriton.store(dz_ref.at[rs, pl.ds(j * VOCAB_TILE, VOCAB_TILE)], dz.astype(dz_ref.dtype),
+                 mask=jnp.broadcast_to(row_ok[:, None], dz.shape))
+
+
+def _dhidden_kernel(off_ref, dz_ref, w_ref, acc_in_ref, acc_ref, *, t, h, v, chunk, layout,
+                    block_t, block_h, block_v, compute_dtype, precision):
+  del acc_in_ref  # aliased with acc_ref
+  row0 = pl.program_id(0) * block_t
+  hc0 = pl.program_id(1) * block_h
+  c0 = off_ref[0]
+  row_ok = (row0 + lax.broadcasted_iota(jnp.int32, (block_t,), 0)) < t
+  h_ok = (hc0 + lax.broadcasted_iota(jnp.int32, (block_h,), 0)) < h
+  rs, hs = pl.ds(row0, block_t), pl.ds(hc0, block_h)
+
+  def body(kk, acc):
+    vs = c0 + kk * block_v + lax.broadcasted_iota(jnp.int32, (block_v,), 0)
+    v_ok = vs < v
+    g = pltriton.load(dz_ref.at[rs, pl.ds(kk * block_v, block_v)],
+                      mask=jnp.broadcast_to(row_ok[:, None], (block_t, block_v)), other=0)
+    if layout == "hv":  # W[h, v]: contract dz's vocab dim with W's second dim
+      w = pltriton.load(w_ref.at[hs, pl.ds(c0 + kk * block_v, block_v)],
+                        mask=h_ok[:, None] & v_ok[None, :], other=0)
+      dims = ((1,), (1,))
+    else:  # W[v, h]
+      w = pltriton.load(w_ref.at[pl.ds(c0 + kk * block_v, block_v), hs],
+                        mask=v_ok[:, None] & h_ok[None, :], other=0)
+      dims = ((1,), (0,))
+    return acc + lax.dot_general(g.astype(compute_dtype), w.astype(compute_dtype),
+                                 (dims, ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)
+
+  mask = row_ok[:, None] & h_ok[None, :]
+  acc = pltriton.load(acc_ref.at[rs, hs], mask=mask, other=0)
+  # Continues the float32 sum where the previous chunk stopped, ascending in V.
+  acc = lax.fori_loop(0, chunk // block_v, body, acc)
+  pltriton.store(acc_ref.at[rs, hs], acc, mask=mask)
+
+
+def _dweight_kernel(*refs, t, h, v, layout, has_bias, block_t, block_h, block_v,
+                    compute_dtype, precision):
+  if has_bias:
+    off_ref, x_ref, dz_ref, _, _, dw_ref, db_ref = refs
+  else:
+    off_ref, x_ref, dz_ref, _, dw_ref = refs
+    db_ref = None
+  hc0 = pl.program_id(0) * block_h
+  j = pl.program_id(1)
+  vc0 = off_ref[0] + j * block_v
+  h_ok = (hc0 + lax.broadcasted_iota(jnp.int32, (block_h,), 0)) < h
+  v_ok = (vc0 + lax.broadcasted_iota(jnp.int32, (block_v,), 0)) < v
+  hs = pl.ds(hc0, block_h)
+
+  def body(kk, carry):
+    acc, dbias = carry
+    r_ok = (kk * block_t + lax.broadcasted_iota(jnp.int32, (block_t,), 0)) < t
+    rs = pl.ds(kk * block_t, block_t)
+    x = pltriton.load(x_ref.at[rs, hs], mask=r_ok[:, None] & h_ok[None, :], other=0)
+    g = pltriton.load(dz_ref.at[rs, pl.ds(j * block_v, block_v)],
+                      mask=jnp.broadcast_to(r_ok[:, None], (block_t, block_v)), other=0)
+    x = x.astype(compute_dtype)
+    g = g.astype(compute_dtype)
+    if layout == "hv":  # dW[h, v] = x^T g
+      part = lax.dot_general(x, g, (((0,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+    else:  # dW[v, h] = g^T x
+      part = lax.dot_general(g, x, (((0,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+    if dbias is not None:
+      dbias = dbias + jnp.sum(g.astype(jnp.float32), axis=0)
+    return acc + part, dbias
+
+  shape = (block_h, block_v) if layout == "hv" else (block_v, block_h)
+  init = (jnp.zeros(shape, jnp.float32),
+          jnp.zeros((block_v,), jnp.float32) if has_bias else None)
+  # Ascending token blocks: deterministic run to run.
+  acc, dbias = lax.fori_loop(0, pl.cdiv(t, block_t), body, init)
+  vs = pl.ds(vc0, block_v)
+  if layout == "hv":
+    pltriton.store(dw_ref.at[hs, vs], acc.astype(dw_ref.dtype),
+                   mask=h_ok[:, None] & v_ok[None, :])
+  else:
+    pltriton.store(dw_ref.at[vs, hs], acc.astype(dw_ref.dtype),
+                   mask=v_ok[:, None] & h_ok[None, :])
+  if has_bias:
+    # Every H block computes the same sum; the first one stores it.
+    first = jnp.full((block_v,), hc0 == 0)
+    pltriton.store(db_ref.at[vs], dbias.astype(db_ref.dtype), mask=v_ok & first)
+
+
+def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
+             temperature: float, compute_dtype, interpret: bool, vocab_offset: int = 0,
+             valid_vocab: int | None = None, config: BwdConfig | None = None):
+  """Gradients of ``sum(g_logp * logp + g_ent * entropy)``.
+
+  Args:
+    hidden ``[T, H]``, weight ``[H, V]`` / ``[V, H]``, bias ``[V]`` or None,
+    targets ``[T]`` int32, lse and mean_z ``[T]`` float32 (forward residuals),
+    g_logp and g_ent ``[T]`` float32 (zero at masked rows).
+    vocab_offset, valid_vocab: as in :func:`linear_logp_fwd.tile_partials`
+      (a vocab shard: the weight's gradient is local to it, ``dh`` is this
+      shard's term of a sum over shards).
+
+  Returns:
+    ``(dh, dw, db)``: ``dh`` float32 ``[T, H]``, ``dw`` in ``weight.dtype``,
+    ``db`` float32 ``[V]`` or None.
+  """
+  t, h = hidden.shape
+  v = weight.shape[1] if layout == "hv" else weight.shape[0]
+  cfg = config or default_config(compute_dtype, interpret)
+  if cfg.chunk % VOCAB_TILE or cfg.chunk % cfg.dh_block_v or cfg.chunk % cfg.dw_block_v:
+    raise ValueError(f"linear_logp: chunk={cfg.chunk} must be a multiple of VOCAB_TILE="
+                     f"{VOCAB_TILE}, dh_block_v and dw_block_v")
+  lcfg = cfg.logits
+  compute_dtype = jnp.dtype(compute_dtype)
+  chunk = min(cfg.chunk, pl.cdiv(v, VOCAB_TILE) * VOCAB_TILE)
+  chunk = pl.cdiv(chunk, max(cfg.dh_block_v, cfg.dw_block_v)) * max(cfg.dh_block_v,
+                                                                     cfg.dw_block_v)
+  n_chunks = pl.cdiv(v, chunk)
+  precision = fwd.dot_precision(compute_dtype, interpret)
+  has_bias = bias is not None
+  # dz feeds tensor-core products: kept in the compute dtype (bf16 stays bf16).
+  dz_dtype = compute_dtype
+  n_t = pl.cdiv(t, lcfg.block_t)
+  n_vc = chunk // VOCAB_TILE
+
+  dlogits = pl.pallas_call(
+      functools.partial(
+          _dlogits_kernel, t=t, n_t=n_t, n_v=n_vc, has_bias=has_bias,
+          block_t=lcfg.block_t, group_t=lcfg.group_t, temperature=float(temperature),
+          vocab_offset=vocab_offset, h=h, v_local=v if valid_vocab is None else valid_vocab,
+          layout=layout, compute_dtype=compute_dtype, precision=precision,
+          block_h=lcfg.block_h),
+      grid=(n_t * n_vc,),
+      out_shape=jax.ShapeDtypeStruct((t, chunk), dz_dtype),
+      interpret=interpret,
+      name="linear_logp_dlogits",
+      **fwd.compiler_params(lcfg, interpret),
+  )
+  dhidden = pl.pallas_call(
+      functools.partial(
+          _dhidden_kernel, t=t, h=h, v=v, chunk=chunk, layout=layout, block_t=cfg.dh_block_t,
+          block_h=cfg.dh_block_h, block_v=cfg.dh_block_v, compute_dtype=compute_dtype,
+          precision=precision),
+      grid=(pl.cdiv(t, cfg.dh_block_t), pl.cdiv(h, cfg.dh_block_h)),
+      out_shape=jax.ShapeDtypeStruct((t, h), jnp.float32),
+      input_output_aliases={3: 0},
+      interpret=interpret,
+      name="linear_logp_dhidden",
+      **_params(cfg, interpret),
+  )
+  dw_shape = jax.ShapeDtypeStruct(weight.shape, weight.dtype)
+  db_shape = jax.ShapeDtypeStruct((v,), jnp.float32)
+  dweight = pl.pallas_call(
+      functools.partial(
+          _dweight_kernel, t=t, h=h, v=v, layout=layout, has_bias=has_bias,
+          block_t=cfg.dw_block_t, block_h=cfg.dw_block_h, block_v=cfg.dw_block_v,
+          compute_dtype=compute_dtype, precision=precision),
+      grid=(pl.cdiv(h, cfg.dw_block_h), chunk // cfg.dw_block_v),
+      out_shape=(dw_shape, db_shape) if has_bias else dw_shape,
+      input_output_aliases={3: 0, 4: 1} if has_bias else {3: 0},
+      interpret=interpret,
+      name="linear_logp_dweight",
+      **_params(cfg, interpret),
+  )
+  side = [bias] if has_bias else []
+  residual = [targets, lse, mean_z, g_logp, g_ent]
+
+  def step(c, carry):
+    dh, dw, db = carry
+    off = (c * chunk).astype(jnp.int32).reshape(1)
+    dz = dlogits(off, hidden, weight, *side, *residual)
+    dh = dhidden(off, dz, weight, dh)
+    if has_bias:
+      dw, db = dweight(off, hidden, dz, dw, db)
+    else:
+      dw = dweight(off, hidden, dz, dw)
+    return dh, dw, db
+
+  init = (jnp.zeros((t, h), jnp.float32), jnp.zeros(weight.shape, weight.dtype),
+          jnp.zeros((v,), jnp.float32) if has_bias else None)
+  # A loop (not unrolled) so that exactly one dz chunk is live at a time.
+  dh, dw, db = lax.fori_loop(0, n_chunks, step, init)
+  return dh, dw, db
