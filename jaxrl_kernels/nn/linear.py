@@ -9,6 +9,10 @@ from flax import nnx
 from jaxrl_kernels.gemm import det_matmul
 
 
+_DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()  # nnx.Linear's defaults
+_DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
+
+
 class DetLinear(nnx.Module):
   """A dense layer whose product is batch-invariant (``y = x @ kernel + bias``).
 
@@ -20,8 +24,8 @@ class DetLinear(nnx.Module):
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                dtype=None, param_dtype=jnp.float32,
-               kernel_init=nnx.initializers.lecun_normal(),
-               bias_init=nnx.initializers.zeros_init(),
+               kernel_init=_DEFAULT_KERNEL_INIT,
+               bias_init=_DEFAULT_BIAS_INIT,
                implementation: str | None = None, rngs: nnx.Rngs):
     self.in_features = in_features
     self.out_features = out_features
