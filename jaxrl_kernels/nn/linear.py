@@ -8,7 +8,6 @@ from flax import nnx
 
 from jaxrl_kernels.gemm import det_matmul
 
-
 _DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()  # nnx.Linear's defaults
 _DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
 
