@@ -5,6 +5,7 @@ log-prob + entropy), masked global reductions, ``logprob_drift`` diagnostics,
 and the ``rl`` objectives and ``train`` driver.
 """
 
+from jaxrl_kernels import nn as nn
 from jaxrl_kernels import rl as rl
 from jaxrl_kernels import train as train
 from jaxrl_kernels.diagnostics import DriftReport as DriftReport

@@ -1,3 +1,8 @@
 """Flax NNX modules: thin holders of parameters over the deterministic ops."""
 
 from jaxrl_kernels.nn.linear import DetLinear as DetLinear
+from jaxrl_kernels.nn.lm_head import LMHead as LMHead
+from jaxrl_kernels.nn.lm_head import head_logits as head_logits
+from jaxrl_kernels.nn.lm_head import logits_logp as logits_logp
+from jaxrl_kernels.nn.tiny_lm import TinyCausalLM as TinyCausalLM
+from jaxrl_kernels.nn.tiny_lm import TinyLMConfig as TinyLMConfig

@@ -147,13 +147,30 @@ def _dhidden_kernel(off_ref, dz_ref, w_ref, acc_in_ref, acc_ref, *, t, h, v, chu
   pltriton.store(acc_ref.at[rs, hs], acc, mask=mask)
 
 
-def _dweight_kernel(*refs, t, h, v, layout, has_bias, block_t, block_h, block_v,
-                    compute_dtype, precision):
-  if has_bias:
-    off_ref, x_ref, dz_ref, _, _, dw_ref, db_ref = refs
-  else:
-    off_ref, x_ref, dz_ref, _, dw_ref = refs
-    db_ref = None
+def _dbias_kernel(off_ref, dz_ref, db_in_ref, db_ref, *, t, v, block_t, block_v):
+  """``db[v] += sum_t dz[t, v]`` over ascending token blocks (run-to-run deterministic).
+
+  Its own kernel: on an H100 (jax 0.11.2) folding this sum into the dW kernel
+  as a second output corrupted dW (tests/linear_logp/test_linear_logp_gpu.py).
+  """
+  del db_in_ref  # aliased with db_ref
+  j = pl.program_id(0)
+  vc0 = off_ref[0] + j * block_v
+  v_ok = (vc0 + lax.broadcasted_iota(jnp.int32, (block_v,), 0)) < v
+
+  def body(kk, acc):
+    r_ok = (kk * block_t + lax.broadcasted_iota(jnp.int32, (block_t,), 0)) < t
+    g = pltriton.load(dz_ref.at[pl.ds(kk * block_t, block_t), pl.ds(j * block_v, block_v)],
+                      mask=jnp.broadcast_to(r_ok[:, None], (block_t, block_v)), other=0)
+    return acc + jnp.sum(g.astype(jnp.float32), axis=0)
+
+  acc = lax.fori_loop(0, pl.cdiv(t, block_t), body, jnp.zeros((block_v,), jnp.float32))
+  pltriton.store(db_ref.at[pl.ds(vc0, block_v)], acc.astype(db_ref.dtype), mask=v_ok)
+
+
+def _dweight_kernel(off_ref, x_ref, dz_ref, dw_in_ref, dw_ref, *, t, h, v, layout, block_t,
+                    block_h, block_v, compute_dtype, precision):
+  del dw_in_ref  # aliased with dw_ref
   hc0 = pl.program_id(0) * block_h
   j = pl.program_id(1)
   vc0 = off_ref[0] + j * block_v
@@ -161,8 +178,7 @@ def _dweight_kernel(*refs, t, h, v, layout, has_bias, block_t, block_h, block_v,
   v_ok = (vc0 + lax.broadcasted_iota(jnp.int32, (block_v,), 0)) < v
   hs = pl.ds(hc0, block_h)
 
-  def body(kk, carry):
-    acc, dbias = carry
+  def body(kk, acc):
     r_ok = (kk * block_t + lax.broadcasted_iota(jnp.int32, (block_t,), 0)) < t
     rs = pl.ds(kk * block_t, block_t)
     x = pltriton.load(x_ref.at[rs, hs], mask=r_ok[:, None] & h_ok[None, :], other=0)
@@ -176,15 +192,11 @@ def _dweight_kernel(*refs, t, h, v, layout, has_bias, block_t, block_h, block_v,
     else:  # dW[v, h] = g^T x
       part = lax.dot_general(g, x, (((0,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
-    if dbias is not None:
-      dbias = dbias + jnp.sum(g.astype(jnp.float32), axis=0)
-    return acc + part, dbias
+    return acc + part
 
   shape = (block_h, block_v) if layout == "hv" else (block_v, block_h)
-  init = (jnp.zeros(shape, jnp.float32),
-          jnp.zeros((block_v,), jnp.float32) if has_bias else None)
   # Ascending token blocks: deterministic run to run.
-  acc, dbias = lax.fori_loop(0, pl.cdiv(t, block_t), body, init)
+  acc = lax.fori_loop(0, pl.cdiv(t, block_t), body, jnp.zeros(shape, jnp.float32))
   vs = pl.ds(vc0, block_v)
   if layout == "hv":
     pltriton.store(dw_ref.at[hs, vs], acc.astype(dw_ref.dtype),
@@ -192,10 +204,6 @@ def _dweight_kernel(*refs, t, h, v, layout, has_bias, block_t, block_h, block_v,
   else:
     pltriton.store(dw_ref.at[vs, hs], acc.astype(dw_ref.dtype),
                    mask=v_ok[:, None] & h_ok[None, :])
-  if has_bias:
-    # Every H block computes the same sum; the first one stores it.
-    first = jnp.full((block_v,), hc0 == 0)
-    pltriton.store(db_ref.at[vs], dbias.astype(db_ref.dtype), mask=v_ok & first)
 
 
 def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
@@ -263,14 +271,24 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
   db_shape = jax.ShapeDtypeStruct((v,), jnp.float32)
   dweight = pl.pallas_call(
       functools.partial(
-          _dweight_kernel, t=t, h=h, v=v, layout=layout, has_bias=has_bias,
-          block_t=cfg.dw_block_t, block_h=cfg.dw_block_h, block_v=cfg.dw_block_v,
-          compute_dtype=compute_dtype, precision=precision),
+          _dweight_kernel, t=t, h=h, v=v, layout=layout, block_t=cfg.dw_block_t,
+          block_h=cfg.dw_block_h, block_v=cfg.dw_block_v, compute_dtype=compute_dtype,
+          precision=precision),
       grid=(pl.cdiv(h, cfg.dw_block_h), chunk // cfg.dw_block_v),
-      out_shape=(dw_shape, db_shape) if has_bias else dw_shape,
-      input_output_aliases={3: 0, 4: 1} if has_bias else {3: 0},
+      out_shape=dw_shape,
+      input_output_aliases={3: 0},
       interpret=interpret,
       name="linear_logp_dweight",
+      **_params(cfg, interpret),
+  )
+  dbias = pl.pallas_call(
+      functools.partial(_dbias_kernel, t=t, v=v, block_t=cfg.dw_block_t,
+                        block_v=cfg.dw_block_v),
+      grid=(chunk // cfg.dw_block_v,),
+      out_shape=db_shape,
+      input_output_aliases={2: 0},
+      interpret=interpret,
+      name="linear_logp_dbias",
       **_params(cfg, interpret),
   )
   side = [bias] if has_bias else []
@@ -281,10 +299,9 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
     off = (c * chunk).astype(jnp.int32).reshape(1)
     dz = dlogits(off, hidden, weight, *side, *residual)
     dh = dhidden(off, dz, weight, dh)
+    dw = dweight(off, hidden, dz, dw)
     if has_bias:
-      dw, db = dweight(off, hidden, dz, dw, db)
-    else:
-      dw = dweight(off, hidden, dz, dw)
+      db = dbias(off, dz, db)
     return dh, dw, db
 
   init = (jnp.zeros((t, h), jnp.float32), jnp.zeros(weight.shape, weight.dtype),

@@ -1,0 +1,358 @@
+"""``LMHead``: the LM-head parameters, read by the fused log-prob op and by a sampler.
+
+Three ways to read the head, with one definition of the logits between them:
+
+* ``head(h, targets)``: selected-token log-probs (and entropy) through
+  :func:`jaxrl_kernels.linear_logp`; the ``[..., V]`` logits never exist.
+* ``head.logits(h)``: the float32 logits for a sampler, computed by
+  :func:`head_logits`, a Pallas kernel built on the fused op's own
+  ``logits_tile`` (same vocab tile, same ``block_h`` walk over H, same
+  ``TuningConfig``), so every logit has the bits of the fused path's projection.
+* ``head.logp_from_logits(logits, targets)``: :func:`logits_logp`, log-probs of
+  given logits through the fused op's per-tile partials formulas and its
+  ``merge_partials`` / ``finalize``, so that the sampler's log-prob of the token
+  it picked is bitwise the trainer's ``head(h, targets)``.
+
+Why not ``det_matmul`` for the logits: its K tile is the GEMM's contract
+(32 for float32) while the fused kernel walks H in ``block_h`` steps (64 in
+interpret mode), on Hopper bf16 it runs a different kernel (Mosaic), and an
+fp32 head would need an fp32 copy of the weight; the two projections then
+differ in their last bits (``test_det_matmul_projection_differs_control``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxrl_kernels import _backend
+from jaxrl_kernels.gemm import det_matmul
+from jaxrl_kernels.linear_logp import linear_logp, merge
+from jaxrl_kernels.pallas import linear_logp_fwd as _fwd
+from jaxrl_kernels.pallas.linear_logp_fwd import VOCAB_TILE
+
+_SUPPORTED = ("triton", "interpret", "xla")
+_DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+_DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
+
+
+# ----------------------------------------------------------------------------- logits kernel
+
+
+def _logits_kernel(*refs, t, h, v, n_t, n_v, has_bias, group_t, **tile_kw):
+  if has_bias:
+    h_ref, w_ref, b_ref, o_ref = refs
+  else:
+    h_ref, w_ref, o_ref = refs
+    b_ref = None
+  i, j = _fwd.swizzle(pl.program_id(0), n_t, n_v, group_t)
+  row0 = i * tile_kw["block_t"]
+  col0 = j * VOCAB_TILE
+  # The fused op's own tile function: the bits of each logit are the ones it reduces.
+  z, _, _, row_ok, col_ok = _fwd.logits_tile(h_ref, w_ref, b_ref, row0, col0, t=t, h=h,
+                                             v_local=v, **tile_kw)
+  pltriton.store(o_ref.at[pl.ds(row0, tile_kw["block_t"]), pl.ds(col0, VOCAB_TILE)], z,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret):
+  t, hd = hidden2d.shape
+  v = weight.shape[1] if layout == "hv" else weight.shape[0]
+  cfg = _fwd.default_config(compute_dtype, interpret)  # the fused op's tiles
+  n_t = pl.cdiv(t, cfg.block_t)
+  n_v = pl.cdiv(v, VOCAB_TILE)
+  kernel = functools.partial(
+      _logits_kernel, t=t, h=hd, v=v, n_t=n_t, n_v=n_v, has_bias=bias is not None,
+      group_t=cfg.group_t, block_t=cfg.block_t, block_h=cfg.block_h, layout=layout,
+      temperature=float(temperature), compute_dtype=jnp.dtype(compute_dtype),
+      precision=_fwd.dot_precision(compute_dtype, interpret))
+  args = [hidden2d, weight] + ([] if bias is None else [bias])
+  return pl.pallas_call(
+      kernel,
+      grid=(n_t * n_v,),
+      out_shape=jax.ShapeDtypeStruct((t, v), jnp.float32),
+      interpret=interpret,
+      name="lm_head_logits",
+      **_fwd.compiler_params(cfg, interpret),
+  )(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _logits(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret):
+  return _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret)
+
+
+def _logits_fwd(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret):
+  out = _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret)
+  return out, (hidden2d, weight, bias)
+
+
+def _logits_bwd(layout, temperature, compute_dtype, interpret, res, g):
+  hidden2d, weight, bias = res
+  impl = "interpret" if interpret else "triton"
+  # dz/d(h W + b) = 1 / temperature; the products run on the deterministic GEMM
+  # (dh rows batch-invariant, dW / db deterministic run to run).
+  g = g / jnp.float32(temperature)
+  gc = g.astype(compute_dtype)
+  hc = hidden2d.astype(compute_dtype)
+  wc = weight.astype(compute_dtype)
+  if layout == "hv":  # W [H, V]: dh = g W^T, dW = h^T g
+    dh = det_matmul(gc, wc, transpose_b=True, out_dtype=jnp.float32, implementation=impl)
+    dw = det_matmul(hc.T, gc, out_dtype=jnp.float32, implementation=impl)
+  else:  # W [V, H]: dh = g W, dW = g^T h
+    dh = det_matmul(gc, wc, out_dtype=jnp.float32, implementation=impl)
+    dw = det_matmul(gc.T, hc, out_dtype=jnp.float32, implementation=impl)
+  db = None if bias is None else jnp.sum(g, axis=0).astype(bias.dtype)
+  return dh.astype(hidden2d.dtype), dw.astype(weight.dtype), db
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None = None,
+                temperature: float = 1.0, weight_layout: str = "hv", fp32_head: bool = False,
+                implementation: str | None = None) -> jax.Array:
+  """Float32 logits ``z = (hidden @ W + bias) / temperature`` with the fused op's bits.
+
+  Each ``[block_t, VOCAB_TILE]`` tile is computed by ``linear_logp``'s own
+  ``logits_tile`` with its tuning config, so ``z[..., v]`` is bitwise the logit
+  that :func:`jaxrl_kernels.linear_logp` reduces for the same row, and (like
+  it) independent of the batch, position, padding and chunking of the rows.
+
+  Args:
+    hidden: ``[..., H]`` float.
+    weight: ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``, a tied embedding, read in place).
+    bias: ``[V]`` or None.
+    temperature: static float > 0 (the division is the fused op's, in float32).
+    weight_layout: ``"hv"`` or ``"vh"``.
+    fp32_head: tiles are upcast to float32 before the product (no fp32 copy of
+      the weight); otherwise ``hidden`` and ``weight`` must share a dtype.
+    implementation: ``"triton"``, ``"interpret"``, ``"xla"`` (plain ``jnp.dot``:
+      not bitwise anything) or None (by device).
+
+  Returns:
+    ``[..., V]`` float32. Gradients w.r.t. hidden, weight and bias run on ``det_matmul``.
+
+  >>> import jax.numpy as jnp
+  >>> head_logits(jnp.ones((2, 4)), jnp.ones((4, 3)), implementation="interpret").tolist()
+  [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
+  """
+  hidden = jnp.asarray(hidden)
+  weight = jnp.asarray(weight)
+  if weight_layout not in ("hv", "vh"):
+    raise ValueError(f"head_logits: weight_layout must be 'hv' or 'vh', got {weight_layout!r}")
+  if weight.ndim != 2 or hidden.ndim < 1:
+    raise ValueError(f"head_logits: need hidden [..., H] and a 2-D weight, got {hidden.shape} "
+                     f"and {weight.shape}")
+  hd, v = weight.shape if weight_layout == "hv" else weight.shape[::-1]
+  if hidden.shape[-1] != hd:
+    raise ValueError(f"head_logits: hidden has {hidden.shape[-1]} features but weight "
+                     f"{weight.shape} ({weight_layout!r}) has {hd}")
+  if hidden.dtype != weight.dtype and not fp32_head:
+    raise TypeError(f"head_logits: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have "
+                    f"the same dtype unless fp32_head=True")
+  if bias is not None and bias.shape != (v,):
+    raise ValueError(f"head_logits: bias must have shape ({v},), got {bias.shape}")
+  if not (isinstance(temperature, int | float) and math.isfinite(temperature)
+          and temperature > 0):
+    raise ValueError(f"head_logits: temperature must be a static finite float > 0, got "
+                     f"{temperature!r}")
+  compute_dtype = jnp.dtype(jnp.float32 if fp32_head else hidden.dtype)
+  impl = _backend.resolve("head_logits", implementation, compute_dtype, supported=_SUPPORTED)
+  lead = hidden.shape[:-1]
+  h2 = hidden.reshape(math.prod(lead), hd)
+  if h2.shape[0] == 0:
+    return jnp.zeros((*lead, v), jnp.float32)
+  if impl == "xla":
+    w = weight.T if weight_layout == "vh" else weight
+    z = jnp.dot(h2.astype(compute_dtype), w.astype(compute_dtype),
+                preferred_element_type=jnp.float32,
+                precision=lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None)
+    if bias is not None:
+      z = z + bias.astype(jnp.float32)
+    z = z / jnp.float32(temperature) if temperature != 1.0 else z
+  else:
+    z = _logits(h2, weight, bias, weight_layout, float(temperature), compute_dtype.name,
+                impl == "interpret")
+  return z.reshape(*lead, v)
+
+
+# ------------------------------------------------------------------------ logp from logits
+
+
+def _partials_from_logits_kernel(z_ref, tg_ref, tz0_ref, m_ref, s_ref, u_ref, tz_ref, *, t, v,
+                                 n_t, n_v, block_t, group_t):
+  del tz0_ref  # aliased to tz_ref: rows whose target is not in this tile keep their 0
+  i, j = _fwd.swizzle(pl.program_id(0), n_t, n_v, group_t)
+  row0 = i * block_t
+  col0 = j * VOCAB_TILE
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (VOCAB_TILE,), 0)
+  row_ok = rows < t
+  col_ok = cols < v
+  z = pltriton.load(z_ref.at[pl.ds(row0, block_t), pl.ds(col0, VOCAB_TILE)],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0)
+  z = jnp.where(col_ok[None, :], z, -jnp.inf)
+  # The per-tile statistics of linear_logp_fwd._partials_kernel, term for term
+  # (keep in sync; see docs/nn.md): the bits of (m, s, u) follow from them.
+  m = jnp.max(z, axis=1)
+  e = jnp.exp(z - m[:, None])
+  s = jnp.sum(e, axis=1)
+  u = jnp.sum(jnp.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+  pltriton.store(m_ref.at[j, pl.ds(row0, block_t)], m, mask=row_ok)
+  pltriton.store(s_ref.at[j, pl.ds(row0, block_t)], s, mask=row_ok)
+  pltriton.store(u_ref.at[j, pl.ds(row0, block_t)], u, mask=row_ok)
+  tg = pltriton.load(tg_ref.at[pl.ds(row0, block_t)], mask=row_ok, other=-1)
+  hit = (cols[None, :] == tg[:, None]) & col_ok[None, :]
+  tz = jnp.sum(jnp.where(hit, z, 0.0), axis=1)
+  owns = row_ok & (tg >= col0) & (tg < jnp.minimum(col0 + VOCAB_TILE, v))
+  pltriton.store(tz_ref.at[pl.ds(row0, block_t)], tz, mask=owns)
+
+
+def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None = None,
+                return_entropy: bool = False, compute_dtype=jnp.float32,
+                implementation: str | None = None):
+  """Log-probs (and entropy) of given float32 logits, merged like ``linear_logp``.
+
+  ``logp = z[t] - logsumexp(z)``, ``entropy = logsumexp(z) - sum softmax(z) z``,
+  computed from per-``VOCAB_TILE`` partials merged in ascending tile order by
+  ``linear_logp``'s ``merge_partials`` and ``finalize``. For ``logits =
+  head_logits(h, W, ...)`` the result is bitwise ``linear_logp(h, W, targets,
+  ...)`` under the Pallas interpreter (tested); on GPU the tile reductions run
+  on a different register layout and the claim is only tested by the
+  ``gpu``-marked test. No gradient (a sampler-side function).
+
+  Args:
+    logits: ``[..., V]`` float32 (already divided by the temperature).
+    targets: ``[...]`` integer ids; active ids outside ``[0, V)`` give NaN.
+    mask: ``[...]`` bool or None; False positions give 0.
+    return_entropy: also return the entropy.
+    compute_dtype: the head's compute dtype (picks the fused op's token tile).
+    implementation: ``"triton"``, ``"interpret"`` or None.
+
+  Returns:
+    float32 ``logp`` of shape ``targets.shape``, or ``(logp, entropy)``.
+  """
+  logits = jnp.asarray(logits)
+  targets = jnp.asarray(targets)
+  if logits.dtype != jnp.float32:
+    raise TypeError(f"logits_logp: logits must be float32, got {logits.dtype}")
+  if targets.shape != logits.shape[:-1]:
+    raise ValueError(f"logits_logp: targets must have shape {logits.shape[:-1]}, got "
+                     f"{targets.shape}")
+  if mask is not None and (mask.shape != targets.shape or mask.dtype != jnp.bool_):
+    raise ValueError(f"logits_logp: mask must be bool of shape {targets.shape}, got "
+                     f"{mask.dtype} {mask.shape}")
+  impl = _backend.resolve("logits_logp", implementation, compute_dtype,
+                          supported=("triton", "interpret"))
+  interpret = impl == "interpret"
+  lead, v = targets.shape, logits.shape[-1]
+  t = math.prod(lead)
+  if t == 0:
+    z0 = jnp.zeros(lead, jnp.float32)
+    return (z0, z0) if return_entropy else z0
+  z2 = lax.stop_gradient(logits).reshape(t, v)
+  t2 = targets.reshape(t).astype(jnp.int32)
+  cfg = _fwd.default_config(compute_dtype, interpret)
+  n_t, n_v = pl.cdiv(t, cfg.block_t), pl.cdiv(v, VOCAB_TILE)
+  part = jax.ShapeDtypeStruct((n_v, t), jnp.float32)
+  m, s, u, tz = pl.pallas_call(
+      functools.partial(_partials_from_logits_kernel, t=t, v=v, n_t=n_t, n_v=n_v,
+                        block_t=cfg.block_t, group_t=cfg.group_t),
+      grid=(n_t * n_v,),
+      out_shape=(part, part, part, jax.ShapeDtypeStruct((t,), jnp.float32)),
+      input_output_aliases={2: 3},
+      interpret=interpret,
+      name="lm_head_logits_partials",
+      **_fwd.compiler_params(cfg, interpret),
+  )(z2, t2, jnp.zeros((t,), jnp.float32))
+  lse, _, ent = merge.merge_partials(m, s, u, implementation=impl)
+  logp, ent = merge.finalize(tz, lse, ent, t2, None if mask is None else mask.reshape(t), v)
+  logp, ent = logp.reshape(lead), ent.reshape(lead)
+  return (logp, ent) if return_entropy else logp
+
+
+# --------------------------------------------------------------------------------- module
+
+
+class LMHead(nnx.Module):
+  """An LM head ``z = h @ W (+ b)`` read without logits for training, with logits for sampling.
+
+  Parameters: ``kernel [H, V]`` (as ``nnx.Linear``), or, with
+  ``tied_embedding``, the ``[V, H]`` embedding variable itself (shared, read in
+  place, never transposed or copied); optional ``bias [V]``.
+
+  ``fp32_head=True`` computes the projection from float32-upcast tiles of
+  ``h`` and ``W`` (``h`` is then used in its own dtype, e.g. a float32
+  residual stream) while ``W`` stays in ``param_dtype``; gradients are
+  accumulated in float32 and returned in the parameter's dtype (e.g. bf16).
+  Otherwise ``h`` is cast to the weight's dtype.
+  """
+
+  def __init__(self, hidden: int, vocab: int, *, tied_embedding: nnx.Variable | None = None,
+               use_bias: bool = False, fp32_head: bool = False, param_dtype=jnp.float32,
+               kernel_init=_DEFAULT_KERNEL_INIT, bias_init=_DEFAULT_BIAS_INIT,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    self.hidden = hidden
+    self.vocab = vocab
+    self.fp32_head = fp32_head
+    self.implementation = implementation
+    if tied_embedding is not None:
+      shape = tuple(tied_embedding.value.shape)
+      if shape != (vocab, hidden):
+        raise ValueError(f"LMHead: tied_embedding must be [vocab, hidden] = {(vocab, hidden)}, "
+                         f"got {shape}")
+      self.embedding = tied_embedding  # the same variable: one parameter, two readers
+      self.kernel = None
+    else:
+      self.embedding = None
+      self.kernel = nnx.Param(kernel_init(rngs.params(), (hidden, vocab), param_dtype))
+    dtype = self._weight().dtype
+    self.bias = nnx.Param(bias_init(rngs.params(), (vocab,), dtype)) if use_bias else None
+
+  @property
+  def weight_layout(self) -> str:
+    return "vh" if self.embedding is not None else "hv"
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(jnp.float32 if self.fp32_head else self._weight().dtype)
+
+  def _weight(self) -> jax.Array:
+    return (self.embedding if self.embedding is not None else self.kernel).value
+
+  def _hidden(self, h: jax.Array) -> jax.Array:
+    h = jnp.asarray(h)
+    return h if self.fp32_head else h.astype(self._weight().dtype)
+
+  def _bias(self):
+    return None if self.bias is None else self.bias.value
+
+  def __call__(self, h: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+               temperature: float = 1.0, return_entropy: bool = False):
+    """``[..., H]`` hidden states -> float32 ``logp [...]`` (and entropy) of ``targets``."""
+    return linear_logp(self._hidden(h), self._weight(), targets, bias=self._bias(),
+                       temperature=temperature, mask=mask, return_entropy=return_entropy,
+                       weight_layout=self.weight_layout, fp32_head=self.fp32_head,
+                       implementation=self.implementation)
+
+  def logits(self, h: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """``[..., H]`` -> float32 ``[..., V]`` logits, bitwise the fused path's projection."""
+    return head_logits(self._hidden(h), self._weight(), bias=self._bias(),
+                       temperature=temperature, weight_layout=self.weight_layout,
+                       fp32_head=self.fp32_head, implementation=self.implementation)
+
+  def logp_from_logits(self, logits: jax.Array, targets: jax.Array,
+                       mask: jax.Array | None = None, return_entropy: bool = False):
+    """Log-probs of ``self.logits(h, temperature)`` output: bitwise ``self(h, targets, ...,
+    temperature)`` (interpret mode; see :func:`logits_logp`)."""
+    impl = None if self.implementation == "xla" else self.implementation
+    return logits_logp(logits, targets, mask=mask, return_entropy=return_entropy,
+                       compute_dtype=self.compute_dtype, implementation=impl)
