@@ -84,7 +84,7 @@ def main(argv=None) -> int:
   dtype = jnp.dtype(args.dtype)
   on_gpu = _backend.platform() == "gpu"
   k, n, m_max = (4096, 4096, 1024) if on_gpu else (256, 256, 1024)
-  h, v, t_max = (4096, 32000, 512) if on_gpu else (64, 1000, 64)
+  h, v, t_max = (1024, 32000, 256) if on_gpu else (64, 1000, 64)
   print("jaxrl_kernels batch-invariance report")
   print(f"  device       {dev.platform}: {getattr(dev, 'device_kind', dev)}")
   print(f"  jax          {jax.__version__}")
