@@ -287,8 +287,9 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from jaxrl_kernels.custom_calls import gemm_ffi
-    lhs = jnp.asarray(np.load(sys.argv[1]))
-    rhs = jnp.asarray(np.load(sys.argv[2]))
+    # bf16 travels as its raw uint16 bits (np.save has no bfloat16).
+    lhs = jnp.asarray(np.load(sys.argv[1]).view(jnp.bfloat16))
+    rhs = jnp.asarray(np.load(sys.argv[2]).view(jnp.bfloat16))
 
     def step(x):
       # Several custom calls and fusions in one jitted program: a command buffer.
@@ -302,7 +303,7 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     text = f.lower(lhs).compile().as_text()
     assert "jaxrl_det_gemm_sm90" in text, "custom call missing from the compiled module"
     assert "command_buffer" in text, "XLA put no command buffer in the compiled module"
-    outs = [np.asarray(f(lhs)) for _ in range(5)]
+    outs = [np.asarray(f(lhs)).view(np.uint16) for _ in range(5)]
     np.save(sys.argv[3], np.stack(outs))
 """)
 
@@ -319,7 +320,7 @@ def test_jit_with_cuda_graphs_gives_the_eager_bits(tmp_path):
   for _ in range(3):  # the same chain, one call at a time (no graph)
     x = (_mm(x, rhs, False, True) * 0.5).astype(dtype)
   for name, arr in (("lhs", lhs), ("rhs", rhs)):
-    np.save(tmp_path / f"{name}.npy", np.asarray(arr))
+    np.save(tmp_path / f"{name}.npy", np.asarray(arr).view(np.uint16))
   env = dict(os.environ)
   package = os.path.dirname(os.path.dirname(os.path.abspath(gemm_ffi.__file__)))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(package), env.get("PYTHONPATH"))
@@ -334,7 +335,7 @@ def test_jit_with_cuda_graphs_gives_the_eager_bits(tmp_path):
   assert proc.returncode == 0, proc.stderr[-5000:]
   outs = np.load(tmp_path / "out.npy")
   for i, out in enumerate(outs):
-    assert_bitwise_equal(out, x, f"graph replay {i}")
+    assert_bitwise_equal(out.view(jnp.bfloat16), x, f"graph replay {i}")
 
 
 @pytest.mark.gpu
