@@ -1,6 +1,6 @@
 """Sweep the Mosaic GEMM's free knobs per shape; check every config gives the same bits.
 
-  PYTHONPATH=$PWD python benchmarks/tune_gemm_mosaic.py [--shapes M,K,N;...]
+  PYTHONPATH=$PWD python benchmarks/tune_gemm_mosaic.py [--shapes M,K,N;...] [--product fwd|dA|dB]
 """
 
 import argparse
@@ -36,6 +36,20 @@ LARGE = [
       grid_minor="m", grid_tile_width=16),
 ]
 MID = LARGE[:3]
+# 64 < M <= 512: how to cover the SMs with few row tiles.
+M256 = [
+    C(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n", max_concurrent_steps=6),
+    C(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="n", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=4),
+    C(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=4),
+    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=6,
+      grid_minor="m", grid_tile_width=4),
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=3,
+      grid_minor="m", grid_tile_width=8),
+    C(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="n", max_concurrent_steps=6,
+      grid_minor="m", grid_tile_width=2),
+]
 SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336, 4096),
           (4096, 4096, 4096), (8192, 4096, 14336), (8192, 4096, 151936)]
 
@@ -43,24 +57,36 @@ SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336,
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default=None)
+  p.add_argument("--product", default="fwd", choices=["fwd", "dA", "dB"],
+                 help="fwd: A @ B; dA: dC @ B^T (B read transposed); dB: A^T @ dC (A read "
+                      "transposed); M, K, N are the forward's")
   args = p.parse_args()
   shapes = SHAPES
   if args.shapes:
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
   for m, k, n in shapes:
-    a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-    reps = copies_for(k * n * 2)
-    bs = [jax.random.normal(jax.random.key(i + 1), (k, n), jnp.bfloat16) for i in range(reps)]
+    # The product actually run, as (lhs, rhs, flags): out = op(lhs) @ op(rhs).
+    if args.product == "fwd":
+      lhs_shape, rhs_shape, lt, rt, om = (m, k), (k, n), False, False, m
+    elif args.product == "dA":  # [M, N] x [K, N]^T -> [M, K]
+      lhs_shape, rhs_shape, lt, rt, om = (m, n), (k, n), False, True, m
+    else:  # dB: [M, K]^T x [M, N] -> [K, N]
+      lhs_shape, rhs_shape, lt, rt, om = (m, k), (m, n), True, False, k
+    a = jax.random.normal(jax.random.key(0), lhs_shape, jnp.bfloat16)
+    reps = copies_for(rhs_shape[0] * rhs_shape[1] * 2)
+    bs = [jax.random.normal(jax.random.key(i + 1), rhs_shape, jnp.bfloat16)
+          for i in range(reps)]
     flops = 2.0 * m * n * k
-    ref_ms = device_ms(jax.jit(lambda a, bs: [jnp.dot(a, b) for b in bs]), a, bs) / reps
-    print(f"== M={m} K={k} N={n}: jnp.dot {ref_ms * 1e3:.1f} us "
+    ref = lambda a, b, lt=lt, rt=rt: jnp.dot(a.T if lt else a, b.T if rt else b)
+    ref_ms = device_ms(jax.jit(lambda a, bs, ref=ref: [ref(a, b) for b in bs]), a, bs) / reps
+    print(f"== {args.product} M={m} K={k} N={n}: jnp.dot {ref_ms * 1e3:.1f} us "
           f"{flops / ref_ms / 1e9:.1f} TFLOP/s", flush=True)
-    configs = SMALL if m <= 64 else (MID if m <= 1024 else LARGE)
+    configs = SMALL if om <= 64 else (M256 if om <= 512 else (MID if om <= 1024 else LARGE))
     digest0 = None
     for cfg in configs:
       try:
-        f = jax.jit(lambda a, bs, cfg=cfg: [gm.matmul(a, b, lhs_transposed=False,
-                                                       rhs_transposed=False,
+        f = jax.jit(lambda a, bs, cfg=cfg, lt=lt, rt=rt: [gm.matmul(a, b, lhs_transposed=lt,
+                                                       rhs_transposed=rt,
                                                        out_dtype=jnp.bfloat16, config=cfg)
                                              for b in bs])
         ms = device_ms(f, a, bs) / reps
@@ -70,7 +96,6 @@ def main():
               f"bits={'same' if digest == digest0 else 'DIFFERENT'} {cfg}", flush=True)
       except Exception as e:  # noqa: BLE001 - a sweep report
         print(f"  FAIL {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-
 
 if __name__ == "__main__":
   main()

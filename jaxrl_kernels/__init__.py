@@ -1,8 +1,9 @@
 """jaxrl_kernels: bitwise batch-invariant kernels for RL post-training in JAX.
 
 Public ops: ``det_matmul`` (deterministic GEMM), ``linear_logp`` (fused LM-head
-log-prob + entropy), masked global reductions, ``logprob_drift`` diagnostics,
-and the ``rl`` objectives and ``train`` driver.
+log-prob + entropy) and its vocab-parallel form ``vocab_parallel_linear_logp``,
+masked global reductions, ``logprob_drift`` diagnostics, and the ``rl``
+objectives and ``train`` driver.
 """
 
 from jaxrl_kernels import nn as nn
@@ -13,6 +14,9 @@ from jaxrl_kernels.diagnostics import logprob_drift as logprob_drift
 from jaxrl_kernels.gemm import det_matmul as det_matmul
 from jaxrl_kernels.linear_logp import check_targets as check_targets
 from jaxrl_kernels.linear_logp import linear_logp as linear_logp
+from jaxrl_kernels.linear_logp import pad_vocab as pad_vocab
+from jaxrl_kernels.linear_logp import vocab_parallel_linear_logp as vocab_parallel_linear_logp
+from jaxrl_kernels.linear_logp import vocab_parallel_logp as vocab_parallel_logp
 from jaxrl_kernels.reductions import masked_count as masked_count
 from jaxrl_kernels.reductions import masked_mean as masked_mean
 from jaxrl_kernels.reductions import masked_sum as masked_sum

@@ -1,0 +1,381 @@
+"""Vocab-parallel (tensor-parallel) ``linear_logp`` under ``shard_map``.
+
+Rollout engines shard the LM head over the vocabulary (TP = 8 sampling) while
+trainers often do not (FSDP, TP = 1). The log-probs must not care. Here they
+do not, bit for bit:
+
+* the vocabulary is cut into the same global ``VOCAB_TILE``-wide tiles as the
+  unsharded op, and each device reduces the tiles it holds to float32
+  partials ``(m, s, u)`` with the very kernel ``linear_logp`` uses;
+* the partials of all devices are gathered over ``axis_name`` and every
+  device folds *all* tiles in ascending global order with the same merge
+  kernel: the fold is the unsharded one, term for term;
+* the target logit comes from the shard that owns the target through a sum in
+  which exactly one term is non-zero (exact).
+
+So ``logp`` and ``entropy`` equal the unsharded ``linear_logp`` bit for bit for
+any TP degree whose shard boundaries fall on the tile grid. ``merge="psum"``
+is the usual alternative (merge locally, then ``pmax``/``psum`` two floats per
+token): cheaper to communicate, but its rounding depends on the TP degree; it
+exists as the control and for benchmarks.
+
+Layout: device ``r`` of the ``n`` along ``axis_name`` holds the contiguous
+global vocab ids ``[r V_s, (r + 1) V_s)``, ``V_s`` its weight's vocab extent.
+``n V_s >= vocab_size``; columns ``>= vocab_size`` are padding and are masked
+to -inf inside the kernel (their values are never read). With ``n > 1``,
+``V_s`` must be a multiple of ``VOCAB_TILE``: :func:`padded_vocab_size` says
+what to pad to and :func:`pad_vocab` pads a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl_kernels import _backend, _compat
+from jaxrl_kernels.linear_logp import merge
+from jaxrl_kernels.linear_logp.api import _SUPPORTED, _validate, check_targets
+from jaxrl_kernels.linear_logp.merge import VOCAB_TILE
+from jaxrl_kernels.pallas import linear_logp_bwd
+
+MERGES = ("all_gather", "psum")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+  """The smallest ``tp * V_s >= vocab_size`` with ``V_s`` a multiple of ``VOCAB_TILE``
+  (``vocab_size`` itself when ``tp == 1``)."""
+  if tp < 1 or vocab_size < 1:
+    raise ValueError(f"padded_vocab_size: need vocab_size >= 1 and tp >= 1, got {vocab_size}, "
+                     f"{tp}")
+  if tp == 1:
+    return vocab_size
+  return tp * (-(-vocab_size // (tp * VOCAB_TILE)) * VOCAB_TILE)
+
+
+def pad_vocab(weight: jax.Array, tp: int, *, weight_layout: str = "hv",
+              bias: jax.Array | None = None):
+  """Pads ``weight`` (and ``bias``) with zero vocab columns to
+  :func:`padded_vocab_size`, so it splits into ``tp`` tile-aligned shards.
+  Returns the weight, or ``(weight, bias)`` when a bias is given."""
+  axis = 1 if weight_layout == "hv" else 0
+  v = weight.shape[axis]
+  extra = padded_vocab_size(v, tp) - v
+  widths = [(0, 0), (0, 0)]
+  widths[axis] = (0, extra)
+  w = jnp.pad(weight, widths)
+  if bias is None:
+    return w
+  return w, jnp.pad(bias, (0, extra))
+
+
+def _axis_size(axis_name) -> int:
+  if hasattr(lax, "axis_size"):
+    return int(lax.axis_size(axis_name))
+  return int(lax.psum(1, axis_name))  # pragma: no cover - older jax
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  layout: str
+  temperature: float
+  compute_dtype: str
+  implementation: str
+  vocab_size: int
+  axis_name: object
+  tp: int
+  local_vocab: int
+  merge: str
+
+  @property
+  def n_global_tiles(self) -> int:
+    return -(-self.vocab_size // VOCAB_TILE)
+
+  def valid_table(self) -> tuple[tuple[int, ...], np.ndarray]:
+    """Distinct per-rank valid column counts and, per rank, its index among them."""
+    valid = [min(max(self.vocab_size - r * self.local_vocab, 0), self.local_vocab)
+             for r in range(self.tp)]
+    values = tuple(sorted(set(valid)))
+    return values, np.asarray([values.index(x) for x in valid], np.int32)
+
+
+def _per_valid(st: _Static, fn):
+  """Calls ``fn(valid_vocab)`` with this device's static count of real columns.
+
+  The count is a kernel constant but depends on the rank: one branch per
+  distinct value (at most three: full, partial, empty), picked by rank.
+  """
+  values, index = st.valid_table()
+  if len(values) == 1:
+    return fn(values[0])
+  branch = jnp.asarray(index)[lax.axis_index(st.axis_name)]
+  return lax.switch(branch, [functools.partial(fn, v) for v in values])
+
+
+def _varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` is typed as varying over (empty unless ``check_vma``)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _psum_merge(m, s, u, st: _Static, rank):
+  """The TP-degree-dependent merge: local fold, then a ``pmax`` and two ``psum``
+  of one float per token. Not bitwise TP-invariant (the control)."""
+  n_local = m.shape[0]
+  tile = rank * n_local + jnp.arange(n_local)[:, None]
+  real = tile < st.n_global_tiles  # padding-only tiles are made empty (exact)
+  m = jnp.where(real, m, -jnp.inf)
+  s = jnp.where(real, s, 0.0)
+  u = jnp.where(real, u, 0.0)
+  lse_l, _, ent_l = merge.merge_partials(m, s, u, implementation=st.implementation)
+  has = s.sum(axis=0) > 0
+  lse_l = jnp.where(has, lse_l, -jnp.inf)
+  big = lax.pmax(lse_l, st.axis_name)
+  lse = big + jnp.log(lax.psum(jnp.where(has, jnp.exp(lse_l - big), 0.0), st.axis_name))
+  # H = sum_r pi_r (H_r + lse - lse_r), pi_r = e^(lse_r - lse): no cancellation.
+  pi = jnp.where(has, jnp.exp(lse_l - lse), 0.0)
+  ent = lax.psum(jnp.where(has, pi * (ent_l + (lse - lse_l)), 0.0), st.axis_name)
+  return lse, lse - ent, ent
+
+
+def _forward(hidden, weight, bias, targets, mask, st: _Static):
+  rank = lax.axis_index(st.axis_name)
+  local_t = targets - rank * st.local_vocab
+  m, s, u, tz = _per_valid(st, lambda valid: merge.tile_partials(
+      hidden, weight, bias, local_t, weight_layout=st.layout, temperature=st.temperature,
+      compute_dtype=st.compute_dtype, implementation=st.implementation, valid_vocab=valid))
+  if st.merge == "all_gather":
+    # Tiles past the vocabulary (padding) sit at the end of the global order: dropped.
+    n = st.n_global_tiles
+    m, s, u = (lax.all_gather(x, st.axis_name, axis=0, tiled=True)[:n] for x in (m, s, u))
+    lse, mean_z, ent = merge.merge_partials(m, s, u, implementation=st.implementation)
+  else:
+    lse, mean_z, ent = _psum_merge(m, s, u, st, rank)
+  tz = lax.psum(tz, st.axis_name)  # one owner per row: exact
+  logp, ent = merge.finalize(tz, lse, ent, targets, mask, st.vocab_size)
+  return (logp, ent), (lse, mean_z, local_t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused(hidden, weight, bias, targets, mask, st):
+  return _forward(hidden, weight, bias, targets, mask, st)[0]
+
+
+def _fused_fwd(hidden, weight, bias, targets, mask, st):
+  out, (lse, mean_z, local_t) = _forward(hidden, weight, bias, targets, mask, st)
+  return out, (hidden, weight, bias, targets, local_t, mask, lse, mean_z)
+
+
+def _fused_bwd(st, res, cts):
+  hidden, weight, bias, targets, local_t, mask, lse, mean_z = res
+  # shard_map(check_vma=False) hands each device 1/tp of a replicated output's
+  # cotangent and sums a replicated input's cotangents over devices: the sum
+  # restores the full cotangent (what the transpose of the all_gather would
+  # do), and dH is left per shard for shard_map to sum.
+  g_logp, g_ent = (lax.psum(jnp.asarray(c, jnp.float32), st.axis_name) for c in cts)
+  invalid = (targets < 0) | (targets >= st.vocab_size)
+  g_logp = jnp.where(invalid & (g_logp != 0), jnp.nan, g_logp)
+  if mask is not None:
+    g_logp = jnp.where(mask, g_logp, 0.0)
+    g_ent = jnp.where(mask, g_ent, 0.0)
+
+  def local(valid):
+    return linear_logp_bwd.backward(
+        hidden, weight, bias, local_t, lse, mean_z, g_logp, g_ent, layout=st.layout,
+        temperature=st.temperature, compute_dtype=st.compute_dtype,
+        interpret=st.implementation == "interpret", valid_vocab=valid)
+
+  dh, dw, db = _per_valid(st, local)
+  db = None if bias is None else db.astype(bias.dtype)
+  return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targets: jax.Array,
+                               *, axis_name, vocab_size: int, mask: jax.Array | None = None,
+                               bias_shard: jax.Array | None = None, temperature: float = 1.0,
+                               return_entropy: bool = False, weight_layout: str = "hv",
+                               fp32_head: bool = False, merge: str = "all_gather",
+                               implementation: str | None = None):
+  """``linear_logp`` with the LM head's vocabulary sharded over ``axis_name``.
+
+  Call it inside ``shard_map(..., check_vma=False)``
+  (``jaxrl_kernels._compat.shard_map`` picks ``jax.shard_map`` or the
+  experimental one); :func:`vocab_parallel_logp` does the ``shard_map`` for
+  you. ``hidden``, ``targets`` and ``mask`` must be the
+  same on every device along ``axis_name`` (they may be split over other mesh
+  axes, e.g. data).
+
+  Args:
+    hidden: ``[..., H]`` float.
+    weight_shard: this device's ``[H, V_s]`` (``"hv"``) or ``[V_s, H]``
+      (``"vh"``) slice: global vocab ids ``[r V_s, (r + 1) V_s)`` on rank ``r``.
+    targets: ``[...]`` int *global* ids; active ids outside
+      ``[0, vocab_size)`` give NaN.
+    axis_name: the mesh axis the vocabulary is split over.
+    vocab_size: the real (unpadded) vocabulary size ``V``.
+    mask, bias_shard, temperature, return_entropy, weight_layout, fp32_head,
+      implementation: as in :func:`jaxrl_kernels.linear_logp` (``bias_shard``
+      is this device's ``[V_s]`` slice of the bias). ``"xla"`` is not offered:
+      the materialised path has no TP form here.
+    merge: ``"all_gather"`` (default): bitwise equal to the unsharded
+      ``linear_logp`` for every TP degree. ``"psum"``: the per-shard merge
+      (two floats per token on the wire); its bits depend on the TP degree.
+
+  Returns:
+    float32 ``logp`` (and ``entropy``) of shape ``targets.shape``, the same on
+    every device of ``axis_name``.
+
+  Gradients follow the convention of JAX's own collectives under
+  ``shard_map(check_vma=False)``: differentiate *outside* the ``shard_map``
+  (as :func:`vocab_parallel_logp` and ``jax.grad`` of a jitted step do). dW
+  (and db) stay local to each shard; dH is each shard's term, summed over
+  ``axis_name`` by ``shard_map``'s transpose (a sum over shards: within
+  CONTRACT section 2 of the unsharded gradient, not TP-bitwise).
+  """
+  hidden = jnp.asarray(hidden)
+  weight_shard = jnp.asarray(weight_shard)
+  targets = jnp.asarray(targets)
+  if _varying_axes(weight_shard):
+    raise ValueError(
+        "vocab_parallel_linear_logp: call it inside shard_map(..., check_vma=False): its Pallas "
+        "kernels do not declare how their outputs vary over mesh axes, which check_vma=True "
+        f"requires (weight_shard is typed varying over {sorted(_varying_axes(weight_shard))})")
+  tp = _axis_size(axis_name)
+  if merge not in MERGES:
+    raise ValueError(f"vocab_parallel_linear_logp: merge must be one of {MERGES}, got {merge!r}")
+  if weight_layout not in ("hv", "vh"):
+    raise ValueError(f"vocab_parallel_linear_logp: weight_layout must be 'hv' or 'vh', got "
+                     f"{weight_layout!r}")
+  if weight_shard.ndim != 2:
+    raise ValueError(f"vocab_parallel_linear_logp: weight_shard must be 2-D, got shape "
+                     f"{weight_shard.shape}")
+  v_s = weight_shard.shape[1] if weight_layout == "hv" else weight_shard.shape[0]
+  if not isinstance(vocab_size, int | np.integer) or vocab_size < 1:
+    raise ValueError(f"vocab_parallel_linear_logp: vocab_size must be a positive int, got "
+                     f"{vocab_size!r}")
+  if tp * v_s < vocab_size:
+    raise ValueError(f"vocab_parallel_linear_logp: {tp} shards of {v_s} vocab columns cover "
+                     f"{tp * v_s} ids < vocab_size={vocab_size}")
+  if tp > 1 and v_s % VOCAB_TILE:
+    raise ValueError(
+        f"vocab_parallel_linear_logp: shard boundaries must fall on the {VOCAB_TILE}-wide vocab "
+        f"tile grid, but each of the {tp} shards along {axis_name!r} holds {v_s} columns; pad "
+        f"the vocabulary to {padded_vocab_size(vocab_size, tp)} columns "
+        f"({padded_vocab_size(vocab_size, tp) // tp} per shard; see pad_vocab)")
+  if (tp - 1) * v_s >= vocab_size:
+    raise ValueError(f"vocab_parallel_linear_logp: the last shard along {axis_name!r} would "
+                     f"hold only padding ({tp} shards of {v_s} for vocab_size={vocab_size}); "
+                     f"use {padded_vocab_size(vocab_size, tp) // tp} columns per shard")
+  bias_shard = None if bias_shard is None else jnp.asarray(bias_shard)
+  if bias_shard is not None and bias_shard.shape != (v_s,):
+    raise ValueError(f"vocab_parallel_linear_logp: bias_shard must have shape ({v_s},), got "
+                     f"{bias_shard.shape}")
+  _, temperature = _validate(hidden, weight_shard, targets, bias_shard, mask, temperature,
+                             weight_layout, fp32_head, return_entropy)
+  compute_dtype = jnp.float32 if fp32_head else hidden.dtype
+  impl = _backend.resolve("vocab_parallel_linear_logp", implementation, compute_dtype,
+                          supported=tuple(i for i in _SUPPORTED if i != "xla"))
+  lead = targets.shape
+  t = math.prod(lead)
+  if t == 0:
+    logp = ent = jnp.zeros(lead, jnp.float32)
+    return (logp, ent) if return_entropy else logp
+  st = _Static(weight_layout, temperature, jnp.dtype(compute_dtype).name, impl, int(vocab_size),
+               axis_name, tp, v_s, merge)
+  m2 = None if mask is None else mask.reshape(t)
+  logp, ent = _fused(hidden.reshape(t, hidden.shape[-1]), weight_shard, bias_shard,
+                     targets.reshape(t).astype(jnp.int32), m2, st)
+  logp, ent = logp.reshape(lead), ent.reshape(lead)
+  return (logp, ent) if return_entropy else logp
+
+
+def vocab_parallel_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
+                        mesh: Mesh, weight_spec: PartitionSpec, vocab_size: int | None = None,
+                        token_spec: PartitionSpec | None = None,
+                        mask: jax.Array | None = None, bias: jax.Array | None = None,
+                        **kwargs):
+  """Runs :func:`vocab_parallel_linear_logp` under ``shard_map`` on ``mesh``.
+
+  Args:
+    hidden: ``[T, H]`` (global view).
+    weight: the global ``[H, V_p]`` / ``[V_p, H]`` weight, ``V_p`` a tile-aligned
+      padding of the vocabulary (see :func:`pad_vocab`).
+    targets, mask: ``[T]``.
+    mesh: the device mesh.
+    weight_spec: the weight's ``PartitionSpec``; its vocab dimension names the
+      TP axis, e.g. ``P(None, "tp")`` for ``"hv"``, ``P("tp", None)`` for
+      ``"vh"``; the hidden dimension must not be split.
+    vocab_size: the real vocabulary size (default: the weight's vocab extent).
+    token_spec: how the tokens are split over the other mesh axes, e.g.
+      ``P("data")`` (default: replicated).
+    bias: ``[V_p]`` or None (split like the weight's vocab dimension).
+    **kwargs: the remaining keywords of :func:`vocab_parallel_linear_logp`.
+
+  Returns:
+    float32 ``logp`` ``[T]`` (and entropy), split like ``token_spec``.
+  """
+  layout = kwargs.get("weight_layout", "hv")
+  spec = tuple(weight_spec) + (None,) * (2 - len(tuple(weight_spec)))
+  v_dim, h_dim = (1, 0) if layout == "hv" else (0, 1)
+  axis_name = spec[v_dim]
+  if axis_name is None or spec[h_dim] is not None:
+    raise ValueError(f"vocab_parallel_logp: weight_spec must split the vocab dimension (dim "
+                     f"{v_dim} for {layout!r}) and only it, got {weight_spec}")
+  if isinstance(axis_name, tuple):
+    if len(axis_name) != 1:
+      raise ValueError(f"vocab_parallel_logp: the vocab dimension must be split over one mesh "
+                       f"axis, got {axis_name}")
+    axis_name = axis_name[0]
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"vocab_parallel_logp: weight_spec names axis {axis_name!r}, not in the "
+                     f"mesh axes {mesh.axis_names}")
+  v_p = weight.shape[v_dim]
+  vocab_size = v_p if vocab_size is None else vocab_size
+  tp = mesh.shape[axis_name]
+  if v_p % tp:
+    raise ValueError(f"vocab_parallel_logp: the weight's {v_p} vocab columns do not split "
+                     f"evenly over {tp} devices of {axis_name!r}; pad to "
+                     f"{padded_vocab_size(vocab_size, tp)} (see pad_vocab)")
+  targets = jnp.asarray(targets)
+  if not isinstance(targets, jax.core.Tracer) and (mask is None or not isinstance(
+      mask, jax.core.Tracer)):
+    check_targets(targets, vocab_size, mask)
+  tok = PartitionSpec() if token_spec is None else token_spec
+  tok_axes = {a for part in tuple(tok) if part is not None
+              for a in (part if isinstance(part, tuple) else (part,))}
+  if axis_name in tok_axes:
+    raise ValueError(f"vocab_parallel_logp: token_spec {tok} must not split the tokens over "
+                     f"the TP axis {axis_name!r}")
+  hid_spec = PartitionSpec(*(tuple(tok) + (None,)))
+  b_spec = PartitionSpec(axis_name)
+  ret_ent = kwargs.get("return_entropy", False)
+
+  def body(h, w, t, mk, b):
+    return vocab_parallel_linear_logp(h, w, t, axis_name=axis_name, vocab_size=vocab_size,
+                                      mask=mk, bias_shard=b, **kwargs)
+
+  out_specs = (tok, tok) if ret_ent else tok
+  args = (hidden, weight, targets, mask, bias)
+  specs = (hid_spec, PartitionSpec(*spec), tok, None if mask is None else tok,
+           None if bias is None else b_spec)
+  live = [i for i, a in enumerate(args) if a is not None]
+
+  def wrapped(*xs):
+    full = [None] * len(args)
+    for i, x in zip(live, xs):
+      full[i] = x
+    return body(*full)
+
+  fn = _compat.shard_map(wrapped, mesh=mesh, in_specs=tuple(specs[i] for i in live),
+                         out_specs=out_specs, check_vma=False)
+  return fn(*(args[i] for i in live))

@@ -1,0 +1,209 @@
+"""Vocab-parallel linear_logp on the 8-device CPU mesh: bitwise TP invariance, gradients, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOL, assert_bitwise_equal, bits, rel_err
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_kernels._compat import shard_map
+from jaxrl_kernels.linear_logp import VOCAB_TILE, linear_logp
+from jaxrl_kernels.linear_logp.vocab_parallel import (
+  pad_vocab,
+  padded_vocab_size,
+  vocab_parallel_linear_logp,
+  vocab_parallel_logp,
+)
+
+IMPL = "interpret"
+T, H, V = 20, 32, 1000  # V is not a tile multiple: the last global tile is partial
+
+
+def _mesh(*shape, names=("tp",)):
+  n = int(np.prod(shape))
+  return Mesh(np.asarray(jax.devices()[:n]).reshape(shape), names)
+
+
+def _case(dtype=jnp.float32, t=T, h=H, v=V, seed=0, spread=20):
+  """Rows scaled by 2**[-spread, spread]: a re-associated merge rounds differently."""
+  k = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(k[0], (t, h), jnp.float32) * 0.5
+  x = x * 2.0 ** (jnp.linspace(-spread, spread, t) / 4).round()[:, None]
+  w = jax.random.normal(k[1], (h, v), jnp.float32) / np.sqrt(h) * 4
+  tg = jax.random.randint(k[2], (t,), 0, v)
+  bias = jax.random.normal(k[3], (v,), jnp.float32)
+  mask = jax.random.bernoulli(k[4], 0.8, (t,))
+  return x.astype(dtype), w.astype(dtype), tg, bias, mask
+
+
+def _unsharded(x, w, tg, **kw):
+  return linear_logp(x, w, tg, return_entropy=True, implementation=IMPL, **kw)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_degree_bitwise_equal_to_unsharded(tp):
+  x, w, tg, _, _ = _case()
+  ref_lp, ref_ent = _unsharded(x, w, tg)
+  wp = pad_vocab(w, tp)
+  lp, ent = jax.jit(functools.partial(
+      vocab_parallel_logp, mesh=_mesh(tp), weight_spec=P(None, "tp"), vocab_size=V,
+      return_entropy=True, implementation=IMPL))(x, wp, tg)
+  assert_bitwise_equal(lp, ref_lp, f"logp TP={tp}")
+  assert_bitwise_equal(ent, ref_ent, f"entropy TP={tp}")
+
+
+def test_tp3_padding_vh_layout_bias_temperature_mask():
+  x, w, tg, bias, mask = _case(seed=1)
+  tg = jnp.where(mask, tg, -100)  # masked ids may be anything
+  kw = dict(temperature=0.7, mask=mask)
+  ref_lp, ref_ent = _unsharded(x, w.T, tg, bias=bias, weight_layout="vh", **kw)
+  assert padded_vocab_size(V, 3) == 3 * 384
+  wp, bp = pad_vocab(w.T, 3, weight_layout="vh", bias=bias)
+  lp, ent = vocab_parallel_logp(x, wp, tg, mesh=_mesh(3), weight_spec=P("tp", None),
+                                vocab_size=V, bias=bp, weight_layout="vh", return_entropy=True,
+                                implementation=IMPL, **kw)
+  assert_bitwise_equal(lp, ref_lp, "logp TP=3")
+  assert_bitwise_equal(ent, ref_ent, "entropy TP=3")
+  assert np.all(np.asarray(lp)[~np.asarray(mask)] == 0)
+
+
+def test_bf16_and_fp32_head_bitwise():
+  x, w, tg, _, _ = _case(jnp.bfloat16, seed=2)
+  for fp32_head in (False, True):
+    ref_lp, ref_ent = _unsharded(x, w, tg, fp32_head=fp32_head)
+    lp, ent = vocab_parallel_logp(x, pad_vocab(w, 4), tg, mesh=_mesh(4), weight_spec=P(None, "tp"),
+                                  vocab_size=V, return_entropy=True, fp32_head=fp32_head,
+                                  implementation=IMPL)
+    assert_bitwise_equal(lp, ref_lp, f"bf16 logp fp32_head={fp32_head}")
+    assert_bitwise_equal(ent, ref_ent, f"bf16 entropy fp32_head={fp32_head}")
+
+
+def test_two_dim_mesh_data_by_tp():
+  x, w, tg, _, mask = _case(t=24, seed=3)
+  ref_lp, ref_ent = _unsharded(x, w, tg, mask=mask)
+  lp, ent = vocab_parallel_logp(x, pad_vocab(w, 4), tg, mesh=_mesh(2, 4, names=("data", "tp")),
+                                weight_spec=P(None, "tp"), token_spec=P("data"), vocab_size=V,
+                                mask=mask, return_entropy=True, implementation=IMPL)
+  assert_bitwise_equal(lp, ref_lp, "logp data x TP")
+  assert_bitwise_equal(ent, ref_ent, "entropy data x TP")
+  # Gradients through the 2-D shard_map (taken outside it).
+  ref_g = jax.grad(lambda h, ww: jnp.sum(_unsharded(h, ww, tg, mask=mask)[1] * 0.5
+                                         + _unsharded(h, ww, tg, mask=mask)[0]),
+                   argnums=(0, 1))(x, w)
+
+  def loss(h, ww):
+    lp, ent = vocab_parallel_logp(h, ww, tg, mesh=_mesh(2, 4, names=("data", "tp")),
+                                  weight_spec=P(None, "tp"), token_spec=P("data"), vocab_size=V,
+                                  mask=mask, return_entropy=True, implementation=IMPL)
+    return jnp.sum(ent * 0.5 + lp)
+
+  dh, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, pad_vocab(w, 4))
+  assert rel_err(dh, ref_g[0]) < TOL["float32"][1]
+  assert rel_err(dw[:, :V], ref_g[1]) < TOL["float32"][1]
+
+
+def test_direct_call_inside_users_shard_map():
+  x, w, tg, _, _ = _case(seed=4)
+  ref_lp = _unsharded(x, w, tg)[0]
+  mesh = _mesh(8)
+
+  def body(h, ws, t):
+    return vocab_parallel_linear_logp(h, ws, t, axis_name="tp", vocab_size=V, implementation=IMPL)
+
+  lp = shard_map(body, mesh=mesh, in_specs=(P(), P(None, "tp"), P()), out_specs=P(),
+                 check_vma=False)(x, pad_vocab(w, 8), tg)
+  assert_bitwise_equal(lp, ref_lp, "direct shard_map")
+
+
+def test_psum_merge_control_changes_bits():
+  """The per-shard merge re-associates the fold: right to tolerance, wrong in the bits."""
+  x, w, tg, _, _ = _case(t=32, seed=5, spread=40)
+  ref_lp, ref_ent = _unsharded(x, w, tg)
+  changed = 0
+  for tp in (2, 4, 8):
+    lp, ent = vocab_parallel_logp(x, pad_vocab(w, tp), tg, mesh=_mesh(tp),
+                                  weight_spec=P(None, "tp"), vocab_size=V, return_entropy=True,
+                                  merge="psum", implementation=IMPL)
+    assert rel_err(lp, ref_lp) < TOL["float32"][0]
+    assert rel_err(ent, ref_ent) < 1e-4
+    changed += int(np.sum(bits(lp) != bits(ref_lp)) + np.sum(bits(ent) != bits(ref_ent)))
+  assert changed > 0, "the psum merge was expected to change some bits"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gradients_match_unsharded(tp):
+  x, w, tg, bias, mask = _case(t=16, seed=6, spread=4)
+  gl = jax.random.normal(jax.random.key(7), (16,))
+  ge = jax.random.normal(jax.random.key(8), (16,))
+
+  def loss(fn, h, ww, b):
+    lp, ent = fn(h, ww, b)
+    return jnp.sum(gl * lp + ge * ent)
+
+  ref = jax.grad(functools.partial(loss, lambda h, ww, b: _unsharded(
+      h, ww, tg, bias=b, mask=mask, temperature=1.3)), argnums=(0, 1, 2))(x, w, bias)
+  wp, bp = pad_vocab(w, tp, bias=bias)
+  fn = lambda h, ww, b: vocab_parallel_logp(
+      h, ww, tg, mesh=_mesh(tp), weight_spec=P(None, "tp"), vocab_size=V, bias=b, mask=mask,
+      temperature=1.3, return_entropy=True, implementation=IMPL)
+  dh, dw, db = jax.jit(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2)))(x, wp, bp)
+  tol = TOL["float32"][1]
+  assert rel_err(dh, ref[0]) < tol
+  assert rel_err(dw[:, :V], ref[1]) < tol
+  assert rel_err(db[:V], ref[2]) < tol
+  assert np.all(np.asarray(dw[:, V:]) == 0) and np.all(np.asarray(db[V:]) == 0)
+  masked_rows = ~np.asarray(mask)
+  assert np.all(np.asarray(dh)[masked_rows] == 0)
+
+
+def test_out_of_range_active_target_is_nan_under_jit():
+  x, w, tg, _, _ = _case(seed=9)
+  tg = tg.at[3].set(V + 5)  # in the padding columns of the last shard
+  fn = jax.jit(lambda t: vocab_parallel_logp(x, pad_vocab(w, 4), t, mesh=_mesh(4),
+                                             weight_spec=P(None, "tp"), vocab_size=V,
+                                             implementation=IMPL))
+  lp = np.asarray(fn(tg))
+  assert np.isnan(lp[3]) and np.all(np.isfinite(np.delete(lp, 3)))
+  with pytest.raises(ValueError, match="outside"):
+    vocab_parallel_logp(x, pad_vocab(w, 4), tg, mesh=_mesh(4), weight_spec=P(None, "tp"),
+                        vocab_size=V, implementation=IMPL)
+
+
+def test_bad_layouts_raise():
+  x, w, tg, _, _ = _case()
+  kw = dict(vocab_size=V, implementation=IMPL)
+  assert (V // 2) % VOCAB_TILE  # 2 x 500 columns: off the tile grid
+  with pytest.raises(ValueError, match="tile grid.*pad the vocabulary to 1024"):
+    vocab_parallel_logp(x, w, tg, mesh=_mesh(2), weight_spec=P(None, "tp"), **kw)
+  with pytest.raises(ValueError, match="split the vocab dimension"):
+    vocab_parallel_logp(x, pad_vocab(w, 2), tg, mesh=_mesh(2), weight_spec=P("tp", None), **kw)
+  with pytest.raises(ValueError, match="not in the mesh axes"):
+    vocab_parallel_logp(x, pad_vocab(w, 2), tg, mesh=_mesh(2), weight_spec=P(None, "x"), **kw)
+  with pytest.raises(ValueError, match="do not split evenly"):
+    vocab_parallel_logp(x, w, tg, mesh=_mesh(3), weight_spec=P(None, "tp"), **kw)
+  with pytest.raises(ValueError, match="only padding"):
+    vocab_parallel_logp(x, jnp.pad(w, ((0, 0), (0, 2048 - V))), tg, mesh=_mesh(8),
+                        weight_spec=P(None, "tp"), vocab_size=V, implementation=IMPL)
+  with pytest.raises(ValueError, match="cover"):
+    vocab_parallel_logp(x, pad_vocab(w, 2)[:, :512], tg, mesh=_mesh(2),
+                        weight_spec=P(None, "tp"), **kw)
+  with pytest.raises(ValueError, match="TP axis"):
+    vocab_parallel_logp(x, pad_vocab(w, 2), tg, mesh=_mesh(2), weight_spec=P(None, "tp"),
+                        token_spec=P("tp"), **kw)
+  with pytest.raises(ValueError, match="merge must be"):
+    vocab_parallel_logp(x, pad_vocab(w, 2), tg, mesh=_mesh(2), weight_spec=P(None, "tp"),
+                        merge="mean", **kw)
+
+
+def test_check_vma_shard_map_gets_a_clear_error():
+  x, w, tg, _, _ = _case()
+  body = lambda h, ws, t: vocab_parallel_linear_logp(h, ws, t, axis_name="tp", vocab_size=V,
+                                                     implementation=IMPL)
+  f = shard_map(body, mesh=_mesh(2), in_specs=(P(), P(None, "tp"), P()), out_specs=P(),
+                check_vma=True)
+  with pytest.raises(ValueError, match="check_vma=False"):
+    f(x, pad_vocab(w, 2), tg)
