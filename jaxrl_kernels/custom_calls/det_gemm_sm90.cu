@@ -52,9 +52,9 @@ constexpr int kTileK = 64;
 // Free knobs (do not touch a row's K order): the M/N tile and the cluster.
 // One configuration for every shape, so nothing here can depend on M either.
 constexpr int kTileM = 128;
-constexpr int kTileN = 128;
+constexpr int kTileN = 256;
 using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
-using ClusterShape = Shape<_1, _1, _1>;
+using ClusterShape = Shape<_2, _1, _1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 // ---------------------------------------------------------------------------

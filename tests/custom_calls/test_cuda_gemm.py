@@ -284,7 +284,7 @@ def test_det_matmul_cuda_gradients_and_mode(transpose_b):
 
 
 _GRAPH_SCRIPT = textwrap.dedent("""
-    import sys
+    import glob, os, sys
     import jax, jax.numpy as jnp, numpy as np
     from jaxrl_kernels.custom_calls import gemm_ffi
     # bf16 travels as its raw uint16 bits (np.save has no bfloat16).
@@ -302,8 +302,12 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     f = jax.jit(step)
     text = f.lower(lhs).compile().as_text()
     assert "jaxrl_det_gemm_sm90" in text, "custom call missing from the compiled module"
-    assert "command_buffer" in text, "XLA put no command buffer in the compiled module"
+    # XLA forms command buffers in its thunk passes, after HLO: look at the dump.
     outs = [np.asarray(f(lhs)).view(np.uint16) for _ in range(5)]
+    seqs = glob.glob(os.path.join(sys.argv[4], "*jit_step*thunk_sequence_after_thunk_passes.txt"))
+    assert seqs, "XLA dumped no thunk sequence for the step"
+    thunks = open(seqs[0]).read()
+    assert "CommandBuffer" in thunks, "XLA put no command buffer in the step: " + thunks[:2000]
     np.save(sys.argv[3], np.stack(outs))
 """)
 
@@ -325,12 +329,14 @@ def test_jit_with_cuda_graphs_gives_the_eager_bits(tmp_path):
   package = os.path.dirname(os.path.dirname(os.path.abspath(gemm_ffi.__file__)))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(package), env.get("PYTHONPATH"))
                                       if p)
+  dump = tmp_path / "dump"
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,"
-                      "CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+                      f"CUSTOM_CALL --xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}")
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process already holds the GPU memory
   script = tmp_path / "graph.py"
   script.write_text(_GRAPH_SCRIPT)
   proc = subprocess.run([sys.executable, str(script), str(tmp_path / "lhs.npy"),
-                         str(tmp_path / "rhs.npy"), str(tmp_path / "out.npy")],
+                         str(tmp_path / "rhs.npy"), str(tmp_path / "out.npy"), str(dump)],
                         capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]
   outs = np.load(tmp_path / "out.npy")
