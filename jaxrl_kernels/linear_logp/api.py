@@ -94,10 +94,10 @@ def _fused_bwd(st, res, cts):
   if mask is not None:
     g_logp = jnp.where(mask, g_logp, 0.0)
     g_ent = jnp.where(mask, g_ent, 0.0)
-  dh, dw, db = linear_logp_bwd.backward(
+  dh, dw, db = linear_logp_bwd.backward_auto(
       hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, layout=st.layout,
       temperature=st.temperature, compute_dtype=st.compute_dtype,
-      interpret=st.implementation == "interpret")
+      implementation=st.implementation)
   db = None if bias is None else db.astype(bias.dtype)
   return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
 

@@ -187,10 +187,10 @@ def _fused_bwd(st, res, cts):
     g_ent = jnp.where(mask, g_ent, 0.0)
 
   def local(valid):
-    return linear_logp_bwd.backward(
+    return linear_logp_bwd.backward_auto(
         hidden, weight, bias, local_t, lse, mean_z, g_logp, g_ent, layout=st.layout,
         temperature=st.temperature, compute_dtype=st.compute_dtype,
-        interpret=st.implementation == "interpret", valid_vocab=valid)
+        implementation=st.implementation, valid_vocab=valid)
 
   dh, dw, db = _per_valid(st, local)
   db = None if bias is None else db.astype(bias.dtype)

@@ -157,11 +157,12 @@ def _dbias_kernel(off_ref, dz_ref, db_in_ref, db_ref, *, t, v, block_t, block_v)
   j = pl.program_id(0)
   vc0 = off_ref[0] + j * block_v
   v_ok = (vc0 + lax.broadcasted_iota(jnp.int32, (block_v,), 0)) < v
+  c_ok = (j * block_v + lax.broadcasted_iota(jnp.int32, (block_v,), 0)) < dz_ref.shape[1]
 
   def body(kk, acc):
     r_ok = (kk * block_t + lax.broadcasted_iota(jnp.int32, (block_t,), 0)) < t
     g = pltriton.load(dz_ref.at[pl.ds(kk * block_t, block_t), pl.ds(j * block_v, block_v)],
-                      mask=jnp.broadcast_to(r_ok[:, None], (block_t, block_v)), other=0)
+                      mask=r_ok[:, None] & c_ok[None, :], other=0)
     return acc + jnp.sum(g.astype(jnp.float32), axis=0)
 
   acc = lax.fori_loop(0, pl.cdiv(t, block_t), body, jnp.zeros((block_v,), jnp.float32))
@@ -309,3 +310,119 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
   # A loop (not unrolled) so that exactly one dz chunk is live at a time.
   dh, dw, db = lax.fori_loop(0, n_chunks, step, init)
   return dh, dw, db
+
+
+def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
+                  temperature: float, compute_dtype, gemm: str, vocab_offset: int = 0,
+                  valid_vocab: int | None = None, chunk: int = 4096, interpret: bool = False):
+  """The same gradients as :func:`backward`, with the three products on ``det_matmul``'s
+  kernels (``gemm="mosaic"`` on Hopper: TMA + wgmma) and the cotangent in between.
+
+  Per vocab chunk ``c`` (``chunk`` columns, a ``lax.fori_loop``; a static tail):
+
+      z_c  = (h W_c + b_c) / temperature        det GEMM, float32 out, [T, chunk]
+      dz_c = (g_logp (onehot - p) - g_ent p (z_c - mean_z)) / temperature   elementwise
+      dH  += dz_c W_c^T                         det GEMM, float32, ascending chunks
+      dW_c = h^T dz_c                           det GEMM (tokens reduced in K tiles)
+
+  Every product is a ``det_matmul`` kernel, whose rows never depend on M, and
+  the chunks are added in ascending order, so dH rows stay batch-invariant;
+  dW is run-to-run deterministic. ``db`` uses the Triton column-sum kernel.
+  Memory per chunk: float32 ``z_c`` and ``dz_c`` in the compute dtype (``[T,
+  chunk]`` each) and the float32 ``[T, H]`` dH accumulator; no ``[T, V]``
+  array. The weight chunk is sliced (copied) per step: ``chunk * H`` elements.
+  """
+  from jaxrl_kernels.gemm.api import _gemm2d
+
+  t, h = hidden.shape
+  hv = layout == "hv"
+  v = weight.shape[1] if hv else weight.shape[0]
+  v_local = v if valid_vocab is None else valid_vocab
+  compute_dtype = jnp.dtype(compute_dtype)
+  x = hidden.astype(compute_dtype)
+  local_t = targets - vocab_offset
+  mm = functools.partial(_gemm2d, implementation=gemm)
+  has_bias = bias is not None
+  dbias = None
+  if has_bias:
+    block_v = 128
+    dbias = lambda width: pl.pallas_call(  # noqa: E731
+        functools.partial(_dbias_kernel, t=t, v=v, block_t=64, block_v=block_v),
+        grid=(pl.cdiv(width, block_v),),
+        out_shape=jax.ShapeDtypeStruct((v,), jnp.float32),
+        input_output_aliases={2: 0},
+        interpret=interpret,
+        name="linear_logp_dbias",
+        **({} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=4,
+                                                                            num_stages=2)}),
+    )
+
+  def grads(c0, width, dh, dw, db):
+    w_c = lax.dynamic_slice_in_dim(weight, c0, width, axis=1 if hv else 0).astype(compute_dtype)
+    z = mm(x, w_c, lhs_transposed=False, rhs_transposed=not hv, out_dtype=jnp.float32)
+    cols = c0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    if has_bias:
+      z = z + lax.dynamic_slice_in_dim(bias, c0, width).astype(jnp.float32)[None, :]
+    if temperature != 1.0:
+      z = z / jnp.float32(temperature)
+    ok = cols < v_local
+    p = jnp.where(ok, jnp.exp(z - lse[:, None]), 0.0)
+    onehot = (cols == local_t[:, None]).astype(jnp.float32)
+    dz = g_logp[:, None] * (onehot - p) - g_ent[:, None] * (p * jnp.where(ok, z - mean_z[:, None],
+                                                                         0.0))
+    if temperature != 1.0:
+      dz = dz / jnp.float32(temperature)
+    dz = jnp.where(ok, dz, 0.0).astype(compute_dtype)
+    dh = dh + mm(dz, w_c, lhs_transposed=False, rhs_transposed=hv, out_dtype=jnp.float32)
+    if hv:
+      dw_c = mm(x, dz, lhs_transposed=True, rhs_transposed=False, out_dtype=weight.dtype)
+      dw = lax.dynamic_update_slice(dw, dw_c, (0, c0))
+    else:
+      dw_c = mm(dz, x, lhs_transposed=True, rhs_transposed=False, out_dtype=weight.dtype)
+      dw = lax.dynamic_update_slice(dw, dw_c, (c0, 0))
+    if has_bias:
+      db = dbias(width)(jnp.reshape(c0, (1,)).astype(jnp.int32), dz, db)
+    return dh, dw, db
+
+  chunk = min(chunk, v)
+  n_full, tail = divmod(v, chunk)
+  carry = (jnp.zeros((t, h), jnp.float32), jnp.zeros(weight.shape, weight.dtype),
+           jnp.zeros((v,), jnp.float32) if has_bias else None)
+  carry = lax.fori_loop(0, n_full, lambda c, cr: grads(c * chunk, chunk, *cr), carry)
+  if tail:
+    carry = grads(n_full * chunk, tail, *carry)
+  return carry
+
+
+def gemm_backend(implementation: str, compute_dtype) -> str | None:
+  """The ``det_matmul`` kernel that runs the backward's products, or None for the
+  fused Triton kernels of :func:`backward`.
+
+  On Hopper with bf16/fp16 products: ``"mosaic"`` (TMA + wgmma GEMMs, much
+  faster than the Triton lowering there). Everywhere else: None. The
+  environment variable ``JAXRL_KERNELS_LOGP_BWD=fused`` forces the fused
+  kernels (for benchmarks).
+  """
+  import os
+
+  from jaxrl_kernels import _backend
+  if os.environ.get("JAXRL_KERNELS_LOGP_BWD", "") == "fused":
+    return None
+  if (implementation == "triton" and _backend.is_hopper()
+      and jnp.dtype(compute_dtype).name in ("bfloat16", "float16")):
+    return "mosaic"
+  return None
+
+
+def backward_auto(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
+                  temperature: float, compute_dtype, implementation: str, vocab_offset: int = 0,
+                  valid_vocab: int | None = None):
+  """:func:`backward_gemm` where :func:`gemm_backend` names a GEMM, else :func:`backward`."""
+  kw = dict(layout=layout, temperature=temperature, compute_dtype=compute_dtype,
+            vocab_offset=vocab_offset, valid_vocab=valid_vocab,
+            interpret=implementation == "interpret")
+  args = (hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent)
+  gemm = gemm_backend(implementation, compute_dtype)
+  if gemm is None:
+    return backward(*args, **kw)
+  return backward_gemm(*args, gemm=gemm, **kw)
