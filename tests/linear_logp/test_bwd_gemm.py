@@ -44,6 +44,10 @@ def test_matches_fused_backward_and_dh_rows_are_batch_invariant(dtype, layout):
   sl = slice(11, 18)
   part = fn(x[sl], w, b, tg[sl], lse[sl], mean_z[sl], gl[sl], ge[sl])
   assert_bitwise_equal(part[0], out[0][sl], "dH rows alone vs in the batch")
+  # dH in token blocks of 16 rows: the same rows, the same bits.
+  blocked = jax.jit(lambda *a: linear_logp_bwd.backward_gemm(*a, gemm="interpret", chunk=128,
+                                                             dh_rows=16, **kw))(*args)
+  assert_bitwise_equal(blocked[0], out[0], "dH in token blocks")
 
 
 def test_vocab_shard_with_padding_columns():
