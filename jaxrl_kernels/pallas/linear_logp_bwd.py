@@ -381,8 +381,11 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
     # not a second [T, H] one.
     for r0 in range(0, t, dh_rows):
       r1 = min(t, r0 + dh_rows)
-      dh = dh.at[r0:r1].add(mm(dz[r0:r1], w_c, lhs_transposed=False, rhs_transposed=hv,
-                               out_dtype=jnp.float32))
+      prod = mm(dz[r0:r1], w_c, lhs_transposed=False, rhs_transposed=hv, out_dtype=jnp.float32)
+      # A dynamic_update_slice of the carry: updated in place (``.at[].add``
+      # lowers to a scatter, which XLA ran as a full copy per block).
+      dh = lax.dynamic_update_slice(dh, lax.dynamic_slice_in_dim(dh, r0, r1 - r0) + prod,
+                                    (r0, 0))
     if hv:
       dw_c = mm(x, dz, lhs_transposed=True, rhs_transposed=False, out_dtype=weight.dtype)
       dw = lax.dynamic_update_slice(dw, dw_c, (0, c0))
@@ -426,7 +429,13 @@ def gemm_backend(implementation: str, compute_dtype) -> str | None:
 def backward_auto(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
                   temperature: float, compute_dtype, implementation: str, vocab_offset: int = 0,
                   valid_vocab: int | None = None):
-  """:func:`backward_gemm` where :func:`gemm_backend` names a GEMM, else :func:`backward`."""
+  """:func:`backward_gemm` where :func:`gemm_backend` names a GEMM, else :func:`backward`.
+
+  ``JAXRL_KERNELS_LOGP_BWD_CHUNK`` / ``_DH_ROWS`` override the GEMM path's free
+  ``chunk`` and ``dh_rows`` (benchmarks; neither changes dH's bits per row).
+  """
+  import os
+
   kw = dict(layout=layout, temperature=temperature, compute_dtype=compute_dtype,
             vocab_offset=vocab_offset, valid_vocab=valid_vocab,
             interpret=implementation == "interpret")
@@ -434,4 +443,6 @@ def backward_auto(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
   gemm = gemm_backend(implementation, compute_dtype)
   if gemm is None:
     return backward(*args, **kw)
-  return backward_gemm(*args, gemm=gemm, **kw)
+  env = {name: f"JAXRL_KERNELS_LOGP_BWD_{name.upper()}" for name in ("chunk", "dh_rows")}
+  tune = {name: int(os.environ[var]) for name, var in env.items() if var in os.environ}
+  return backward_gemm(*args, gemm=gemm, **kw, **tune)
