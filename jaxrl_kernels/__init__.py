@@ -2,13 +2,16 @@
 
 Public ops: ``det_matmul`` (deterministic GEMM), ``linear_logp`` (fused LM-head
 log-prob + entropy) and its vocab-parallel form ``vocab_parallel_linear_logp``,
-masked global reductions, ``logprob_drift`` diagnostics, and the ``rl``
-objectives and ``train`` driver.
+``causal_attention`` (decode = prefill bitwise), masked global reductions,
+``logprob_drift`` diagnostics, the ``rl`` objectives, the ``train`` driver, and
+``nn`` (Flax modules, the KV-cache sampler and the trainer-side ``score``).
 """
 
+from jaxrl_kernels import attention as attention
 from jaxrl_kernels import nn as nn
 from jaxrl_kernels import rl as rl
 from jaxrl_kernels import train as train
+from jaxrl_kernels.attention import causal_attention as causal_attention
 from jaxrl_kernels.diagnostics import DriftReport as DriftReport
 from jaxrl_kernels.diagnostics import logprob_drift as logprob_drift
 from jaxrl_kernels.gemm import det_matmul as det_matmul

@@ -4,5 +4,9 @@ from jaxrl_kernels.nn.linear import DetLinear as DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead as LMHead
 from jaxrl_kernels.nn.lm_head import head_logits as head_logits
 from jaxrl_kernels.nn.lm_head import logits_logp as logits_logp
+from jaxrl_kernels.nn.sampler import SampleResult as SampleResult
+from jaxrl_kernels.nn.sampler import sample as sample
+from jaxrl_kernels.nn.sampler import score as score
+from jaxrl_kernels.nn.tiny_lm import KVCache as KVCache
 from jaxrl_kernels.nn.tiny_lm import TinyCausalLM as TinyCausalLM
 from jaxrl_kernels.nn.tiny_lm import TinyLMConfig as TinyLMConfig

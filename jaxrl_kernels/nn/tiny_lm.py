@@ -1,33 +1,46 @@
-"""``TinyCausalLM``: a small pre-norm decoder whose per-token log-probs are batch-invariant.
+"""``TinyCausalLM``: a small pre-norm decoder whose per-token log-probs are batch-invariant,
+with a KV-cache decode path that gives the training forward's bits.
 
 Embedding -> ``num_layers`` x [RMSNorm -> causal self-attention (rotary) ->
 residual -> RMSNorm -> MLP -> residual] -> RMSNorm -> :class:`LMHead`.
-Every weight product runs on ``det_matmul`` (``DetLinear``, ``LMHead``); the
-attention is plain ``jnp`` for now (a Pallas kernel with a KV-cache decode path
-comes with issue 7) but already walks the keys in fixed ``ATTN_KEY_TILE``-wide
-tiles in ascending order with a float32 online softmax, skipping a tile with no
-visible key exactly, so a query's bits do not depend on how much padding or
-how many other sequences surround it (tested bitwise on CPU).
 
-Used by the tests, ``examples/grpo_step.py`` and the demos; sized for the
-CPU interpreter.
+Why a token's bits are the same in every layout (decode one token at a time
+at one batch size, or a training forward over padded / packed rows at another):
+
+* weight products run on ``det_matmul`` (``DetLinear``) and the head on
+  ``linear_logp``: a row's bits do not depend on the other rows;
+* RMSNorm's sum of squares is a written-out left-to-right fold (``_fold_add``),
+  rotary is elementwise from the integer position: the same function of the
+  token's own values in every path;
+* attention walks key tiles aligned to position 0 of the sequence, so a query
+  at position ``p`` depends only on its own ``q`` and keys ``0..p``. The
+  training forward therefore hands attention every document *left-aligned*:
+  packed and left-padded rows are gathered into one aligned row per document
+  (``[num_docs, T]``), attended, and scattered back (data movement only). The
+  decode path writes each token's ``k, v`` into the cache at index = position.
+
+Layouts of ``model(tokens, positions, segment_ids)`` (see :meth:`TinyCausalLM.__call__`):
+right padding (no arguments), left padding (``positions = arange(T) - pad``,
+pads get negative positions), packing (``segment_ids`` and positions
+restarting at 0 per document), and any mix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
 
-# Part of the invariance contract: the key tile fixes which scores are reduced
-# together, and so the bits of every attention output.
-ATTN_KEY_TILE = 16
+IMPLEMENTATIONS = (None, "triton", "interpret", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +49,18 @@ class TinyLMConfig:
 
   Attributes:
     vocab_size, hidden, num_layers, num_heads, mlp_dim: sizes (``hidden`` a
-      multiple of ``num_heads``, an even head size).
+      multiple of ``num_heads``; the attention kernels need a head size that is a
+      multiple of 16 in [16, 256]).
     rope_base: rotary base frequency.
     norm_eps: RMSNorm epsilon.
     tie_embeddings: the LM head reads the ``[V, H]`` embedding in place.
     fp32_head: the head's projection in float32 (see :class:`LMHead`).
-    dtype: parameter and activation dtype (``"float32"`` or ``"bfloat16"``).
-    implementation: passed to every deterministic op (None: by device).
+    dtype: parameter, activation and KV-cache dtype (``"float32"`` or ``"bfloat16"``).
+    implementation: passed to every op: None (the batch-invariant kernels, by
+      device), ``"triton"``, ``"interpret"``, or ``"xla"``: the stock XLA path
+      of every op (``jnp.dot`` GEMMs, materialised log-softmax, plain softmax
+      attention, ``jnp.mean`` RMSNorm) -- the baseline ``jaxrl-kernels parity``
+      compares against; not batch-invariant.
   """
 
   vocab_size: int = 128
@@ -63,6 +81,9 @@ class TinyLMConfig:
                        f"{self.num_heads} heads of even size")
     if jnp.dtype(self.dtype).name not in ("float32", "bfloat16"):
       raise ValueError(f"TinyLMConfig: dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"TinyLMConfig: implementation must be one of {IMPLEMENTATIONS}, got "
+                       f"{self.implementation!r}")
 
   @classmethod
   def preset(cls, name: str, **overrides) -> TinyLMConfig:
@@ -82,16 +103,23 @@ class RMSNorm(nnx.Module):
   """``y = x / sqrt(mean(x^2) + eps) * scale``, in float32, per row of ``[..., H]``.
 
   The sum of squares is a strict left-to-right fold over H (:func:`_fold`),
-  so a row's bits do not depend on the shape it is computed in.
+  so a row's bits do not depend on the shape it is computed in. With
+  ``implementation="xla"`` it is ``jnp.mean`` (the stock path; XLA picks its
+  summation order by shape).
   """
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32,
+               implementation: str | None = None):
     self.eps = eps
+    self.implementation = implementation
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    ms = (_fold_add(x32 * x32, axis=-1) / jnp.float32(x.shape[-1]))[..., None]
+    if self.implementation == "xla":
+      ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    else:
+      ms = (_fold_add(x32 * x32, axis=-1) / jnp.float32(x.shape[-1]))[..., None]
     y = x32 * lax.rsqrt(ms + jnp.float32(self.eps)) * self.scale.value.astype(jnp.float32)
     return y.astype(x.dtype)
 
@@ -123,59 +151,85 @@ def _fold_add(x: jax.Array, axis: int) -> jax.Array:
   return _fold(jnp.add, x, axis)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     segment_ids: jax.Array) -> jax.Array:
-  """Causal attention within segments, ``[B, T, heads, d]`` -> ``[B, T, heads, d]``.
+class _Documents(NamedTuple):
+  """Where each document of a ``[B, T]`` layout lives, for the aligned attention.
 
-  Query ``i`` sees keys ``j <= i`` with ``segment_ids[j] == segment_ids[i]``.
-  Keys are visited in ``ATTN_KEY_TILE``-wide tiles in ascending order; each
-  tile gives float32 ``(m, l, acc)`` = (max score, sum of e^(s-m), sum of
-  e^(s-m) v), folded into the running state with the online-softmax rule; a
-  tile with no visible key is skipped exactly, so keys past a query's sequence
-  (padding, later sequences) never touch its bits.
+  A document is a maximal run of tokens of one row with position >= 0, one
+  segment id, and positions increasing by 1; its token at position ``p`` goes
+  to slot ``p`` of its aligned row. ``row, col0, length``: ``[N]`` (the row,
+  the column of slot 0, the number of tokens); ``doc, slot``: ``[B, T]``;
+  ``live``: tokens in a valid document; ``bad``: tokens in a document past
+  ``max_docs`` or not starting at position 0 (their outputs become NaN).
   """
-  b, t, nh, d = q.shape
-  n = -(-t // ATTN_KEY_TILE)
-  pad = n * ATTN_KEY_TILE - t
-  q32 = q.astype(jnp.float32) * jnp.float32(1.0 / d ** 0.5)
-  k32 = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  v32 = jnp.pad(v.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  seg_k = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-  qi = jnp.arange(t)
 
-  def tile(state, j):
-    m, den, acc = state  # [B, heads, T], [B, heads, T], [B, T, heads, d]
-    k0 = j * ATTN_KEY_TILE
-    kt = lax.dynamic_slice_in_dim(k32, k0, ATTN_KEY_TILE, axis=1)
-    vt = lax.dynamic_slice_in_dim(v32, k0, ATTN_KEY_TILE, axis=1)
-    st = lax.dynamic_slice_in_dim(seg_k, k0, ATTN_KEY_TILE, axis=1)
-    kj = k0 + jnp.arange(ATTN_KEY_TILE)
-    vis = (kj[None, :] <= qi[:, None])[None] & (st[:, None, :] == segment_ids[:, :, None])
-    s = _fold_add(q32.transpose(0, 2, 1, 3)[:, :, :, None, :]
-                  * kt.transpose(0, 2, 1, 3)[:, :, None], axis=-1)  # [B, heads, T, tile]
-    s = jnp.where(vis[:, None], s, -jnp.inf)
-    mt = _fold(jnp.maximum, s, axis=-1)
-    e = jnp.exp(s - jnp.where(jnp.isfinite(mt), mt, 0.0)[..., None])
-    lt = _fold_add(e, axis=-1)
-    at = _fold_add(e.transpose(0, 2, 1, 3)[..., None]
-                   * vt[:, None].transpose(0, 1, 3, 2, 4), axis=3)  # [B, T, heads, d]
-    big = jnp.maximum(m, mt)
-    a = jnp.exp(jnp.where(den == 0, 0.0, m - big))
-    c = jnp.exp(jnp.where(lt == 0, 0.0, mt - big))
-    l2 = a * den + c * lt
-    acc2 = a.transpose(0, 2, 1)[..., None] * acc + c.transpose(0, 2, 1)[..., None] * at
-    take, keep = den == 0, lt == 0  # empty running state / empty tile: exact
-    m = jnp.where(take, mt, jnp.where(keep, m, big))
-    den_out = jnp.where(take, lt, jnp.where(keep, den, l2))
-    take_q, keep_q = (x.transpose(0, 2, 1)[..., None] for x in (take, keep))
-    acc = jnp.where(take_q, at, jnp.where(keep_q, acc, acc2))
-    return (m, den_out, acc), None
+  row: jax.Array
+  col0: jax.Array
+  length: jax.Array
+  doc: jax.Array
+  slot: jax.Array
+  live: jax.Array
+  bad: jax.Array
 
-  init = (jnp.full((b, nh, t), -jnp.inf, jnp.float32), jnp.zeros((b, nh, t), jnp.float32),
-          jnp.zeros((b, t, nh, d), jnp.float32))
-  (_, den, acc), _ = lax.scan(tile, init, jnp.arange(n))
-  out = acc / den.transpose(0, 2, 1)[..., None]  # den > 0: every query sees itself
-  return out.astype(q.dtype)
+  def gather(self, x: jax.Array) -> jax.Array:
+    """``[B, T, ...]`` -> ``[N, T, ...]``, document ``n`` left-aligned in row ``n``, zeros after."""
+    t = x.shape[1]
+    j = jnp.arange(t)
+    cols = jnp.clip(self.col0[:, None] + j, 0, t - 1)
+    y = x[self.row[:, None], cols]
+    keep = (j < self.length[:, None]).reshape(*cols.shape, *(1,) * (x.ndim - 2))
+    return jnp.where(keep, y, jnp.zeros((), x.dtype))
+
+  def scatter(self, y: jax.Array) -> jax.Array:
+    """``[N, T, ...]`` -> ``[B, T, ...]``: each token reads its document's slot; padding
+    tokens get 0, tokens of ``bad`` documents NaN."""
+    out = y[self.doc, self.slot]
+    shape = (*self.doc.shape, *(1,) * (y.ndim - 2))
+    out = jnp.where(self.live.reshape(shape), out, jnp.zeros((), y.dtype))
+    return jnp.where(self.bad.reshape(shape), jnp.full((), jnp.nan, y.dtype), out)
+
+
+def _documents(positions: jax.Array, segment_ids: jax.Array, max_docs: int) -> _Documents:
+  b, t = positions.shape
+  pos = positions.astype(jnp.int32)
+  active = pos >= 0
+  cont = jnp.zeros((b, t), bool).at[:, 1:].set(
+      active[:, :-1] & (segment_ids[:, 1:] == segment_ids[:, :-1])
+      & (pos[:, 1:] == pos[:, :-1] + 1))
+  start = active & ~cont
+  gid = (jnp.cumsum(start.reshape(-1)) - 1).reshape(b, t).astype(jnp.int32)  # document id
+  flat = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
+  at_start = jnp.where(start, gid, max_docs).reshape(-1)  # out-of-range ids are dropped
+  first = jnp.zeros((max_docs,), jnp.int32).at[at_start].set(flat.reshape(-1), mode="drop")
+  first_pos = jnp.full((max_docs,), -1, jnp.int32).at[at_start].set(pos.reshape(-1), mode="drop")
+  length = jnp.zeros((max_docs,), jnp.int32).at[jnp.where(active, gid, max_docs).reshape(-1)].add(
+      1, mode="drop")
+  doc = jnp.clip(gid, 0, max_docs - 1)
+  live = active & (gid < max_docs) & (first_pos[doc] == 0)
+  if not any(isinstance(a, jax.core.Tracer) for a in (positions, segment_ids)):
+    n = int(np.sum(np.asarray(start)))
+    if n > max_docs:
+      raise ValueError(f"TinyCausalLM: the layout holds {n} documents but max_docs={max_docs}; "
+                       f"pass max_docs >= {n}")
+    bad_start = np.argwhere(np.asarray(start) & (np.asarray(pos) != 0))
+    if bad_start.size:
+      r, c = (int(i) for i in bad_start[0])
+      raise ValueError(f"TinyCausalLM: a document must start at position 0, but the one at "
+                       f"row {r}, column {c} starts at position {int(pos[r, c])}")
+  return _Documents(row=first // t, col0=first % t, length=length, doc=doc,
+                    slot=jnp.clip(pos, 0, t - 1), live=live, bad=active & ~live)
+
+
+class KVCache(NamedTuple):
+  """Per-layer keys and values ``[B, max_len, heads, d]`` (activation dtype, after
+  rotary) and ``lengths [B]`` int32: row ``b`` holds positions ``0..lengths[b]-1``."""
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  lengths: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.keys[0].shape[1]
 
 
 class Block(nnx.Module):
@@ -184,23 +238,55 @@ class Block(nnx.Module):
   def __init__(self, cfg: TinyLMConfig, *, rngs: nnx.Rngs):
     dt = jnp.dtype(cfg.dtype)
     lin = dict(use_bias=False, param_dtype=dt, implementation=cfg.implementation, rngs=rngs)
+    norm = dict(eps=cfg.norm_eps, param_dtype=dt, implementation=cfg.implementation)
     self.cfg = cfg
-    self.attn_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=dt)
+    self.attn_norm = RMSNorm(cfg.hidden, **norm)
     self.qkv = DetLinear(cfg.hidden, 3 * cfg.hidden, **lin)
     self.out = DetLinear(cfg.hidden, cfg.hidden, **lin)
-    self.mlp_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=dt)
+    self.mlp_norm = RMSNorm(cfg.hidden, **norm)
     self.up = DetLinear(cfg.hidden, cfg.mlp_dim, **lin)
     self.down = DetLinear(cfg.mlp_dim, cfg.hidden, **lin)
 
-  def __call__(self, x, positions, segment_ids):
+  def _qkv(self, x, positions):
+    """``x [B, T, H]`` at ``positions [B, T]`` -> rotated ``q, k``, ``v [B, T, heads, d]``."""
     cfg = self.cfg
     b, t, _ = x.shape
     nh, hd = cfg.num_heads, cfg.hidden // cfg.num_heads
     q, k, v = jnp.split(self.qkv(self.attn_norm(x)).reshape(b, t, 3 * nh, hd), 3, axis=2)
-    q = rotary(q, positions, cfg.rope_base)
-    k = rotary(k, positions, cfg.rope_base)
-    x = x + self.out(causal_attention(q, k, v, segment_ids).reshape(b, t, cfg.hidden))
+    return rotary(q, positions, cfg.rope_base), rotary(k, positions, cfg.rope_base), v
+
+  def _attend(self, q, k, v, **kw):
+    return causal_attention(q, k, v, implementation=self.cfg.implementation, **kw)
+
+  def _rest(self, x, attn):
+    b, t, _ = x.shape
+    x = x + self.out(attn.reshape(b, t, self.cfg.hidden))
     return x + self.down(jax.nn.silu(self.up(self.mlp_norm(x))))
+
+  def __call__(self, x, positions, docs: _Documents | None):
+    """Full-sequence forward; returns the new ``x`` and this layer's ``k, v``."""
+    q, k, v = self._qkv(x, positions)
+    if docs is None:  # every row is one document starting at column 0: already aligned
+      attn = self._attend(q, k, v)
+    else:
+      attn = docs.scatter(self._attend(docs.gather(q), docs.gather(k), docs.gather(v),
+                                       kv_lengths=docs.length))
+    return self._rest(x, attn), k, v
+
+  def decode(self, x, cache_k, cache_v, lengths):
+    """One token per row ``x [B, 1, H]`` at position ``lengths[b]``: appends its ``k, v``
+    to the cache and attends to cache slots ``0..lengths[b]``."""
+    q, k, v = self._qkv(x, lengths[:, None])
+    rows = jnp.arange(x.shape[0])
+    cache_k = cache_k.at[rows, lengths].set(k[:, 0], mode="drop")  # a full row writes nothing
+    cache_v = cache_v.at[rows, lengths].set(v[:, 0], mode="drop")
+    attn = self._attend(q, cache_k, cache_v, q_positions=lengths[:, None],
+                        kv_lengths=lengths + 1)
+    return self._rest(x, attn), cache_k, cache_v
+
+
+def _is_traced(*xs) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 class TinyCausalLM(nnx.Module):
@@ -208,8 +294,15 @@ class TinyCausalLM(nnx.Module):
 
   ``tokens [B, T]`` -> hidden states ``[B, T, H]``; :meth:`logp` scores given
   ``targets [B, T]`` (usually ``tokens`` shifted left by one) through the fused
-  LM head. A token's bits do not depend on the batch size, on right padding,
-  or on the other rows (tested bitwise).
+  LM head. A token's bits depend only on its own document's tokens up to it:
+  not on the batch size, the padding, the packing, the other rows, or whether
+  it came from the full-sequence forward or from :meth:`prefill` /
+  :meth:`decode_step` on a KV cache (tested bitwise).
+
+  Jitting: the methods are pure functions of the parameters and their
+  arguments (the cache is an explicit pytree, never module state), so wrap
+  them in ``nnx.jit`` (e.g. ``nnx.jit(lambda m, t, c: m.decode_step(t, c))``)
+  or call them inside ``jax.jit`` on ``nnx.merge(graphdef, state)``.
   """
 
   def __init__(self, config: TinyLMConfig, *, rngs: nnx.Rngs):
@@ -218,42 +311,136 @@ class TinyCausalLM(nnx.Module):
     self.config = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden, param_dtype=dt, dtype=dt, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=dt)
+    self.final_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=dt,
+                              implementation=cfg.implementation)
     self.head = LMHead(cfg.hidden, cfg.vocab_size,
                        tied_embedding=self.embed.embedding if cfg.tie_embeddings else None,
                        fp32_head=cfg.fp32_head, param_dtype=dt,
                        implementation=cfg.implementation, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, *, max_docs: int | None = None
+               ) -> jax.Array:
     """Hidden states ``[B, T, H]`` after the final norm.
+
+    Supported layouts (mix them freely):
+
+    * right padding: no ``positions``/``segment_ids``; row ``b`` is one document at
+      positions ``0..T-1`` (causality keeps the pads out of the real tokens);
+    * left padding: ``positions = arange(T) - num_pads[b]``: tokens with a negative
+      position are padding (attention output 0; mask them out);
+    * packing: documents are runs of one ``segment_ids`` value whose positions go
+      ``0, 1, 2, ...``; a position that does not continue the previous token's
+      starts a new document, so restarting the positions alone also separates
+      documents.
+
+    A document must start at position 0 and positions must increase by one.
 
     Args:
       tokens: ``[B, T]`` int ids in ``[0, V)``.
-      positions: ``[B, T]`` rotary positions (default ``arange(T)``; restart
-        them per document for packed rows).
-      segment_ids: ``[B, T]`` int; tokens attend only within their segment
-        (default: one segment per row). Right padding needs none (causality).
+      positions: ``[B, T]`` int rotary positions (default ``arange(T)``).
+      segment_ids: ``[B, T]`` int (default: all 0).
+      max_docs: static bound on the number of documents in the whole batch when
+        ``positions`` or ``segment_ids`` is given (default ``B``). Attention runs on
+        ``[max_docs, T]`` aligned rows. Too small, or a document not starting at
+        position 0: a ValueError for concrete inputs, NaN hidden states for that
+        document's tokens under ``jit``.
     """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
       raise ValueError(f"TinyCausalLM: tokens must be [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
-    if positions is None:
+    docs = None
+    if positions is None and segment_ids is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if segment_ids is None:
-      segment_ids = jnp.zeros((b, t), jnp.int32)
-    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
-      if x.shape != (b, t):
-        raise ValueError(f"TinyCausalLM: {name} must have shape {(b, t)}, got {x.shape}")
+    else:
+      if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      if segment_ids is None:
+        segment_ids = jnp.zeros((b, t), jnp.int32)
+      for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+        if jnp.shape(x) != (b, t):
+          raise ValueError(f"TinyCausalLM: {name} must have shape {(b, t)}, got {jnp.shape(x)}")
+      max_docs = b if max_docs is None else max_docs
+      if not isinstance(max_docs, int) or max_docs < 1:
+        raise ValueError(f"TinyCausalLM: max_docs must be a static int >= 1, got {max_docs!r}")
+      docs = _documents(jnp.asarray(positions), jnp.asarray(segment_ids), max_docs)
     x = self.embed(tokens)
     for block in self.blocks:
-      x = block(x, positions, segment_ids)
+      x, _, _ = block(x, positions, docs)
     return self.final_norm(x)
 
   def logp(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-           temperature: float = 1.0, return_entropy: bool = False):
+           max_docs: int | None = None, temperature: float = 1.0,
+           return_entropy: bool = False):
     """float32 ``log pi(targets | tokens)`` ``[B, T]`` (and entropy) via the fused head."""
-    h = self(tokens, positions, segment_ids)
+    h = self(tokens, positions, segment_ids, max_docs=max_docs)
     return self.head(h, targets, mask, temperature=temperature, return_entropy=return_entropy)
+
+  # ---------------------------------------------------------------------------- KV cache
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    """An empty cache for ``batch`` rows of up to ``max_len`` tokens (prompt + completion)."""
+    cfg = self.config
+    shape = (batch, max_len, cfg.num_heads, cfg.hidden // cfg.num_heads)
+    zeros = tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.num_layers))
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache
+              ) -> tuple[jax.Array, KVCache]:
+    """Processes right-padded prompts ``tokens [B, P]`` of ``lengths [B]`` (1 <= lengths <= P).
+
+    Overwrites the cache from position 0 (slots ``>= lengths[b]`` hold the pads'
+    keys, never read: decode overwrites them and masks past ``lengths``).
+
+    Returns:
+      ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
+      prompt token (position ``lengths[b] - 1``) and the cache with ``lengths``.
+    """
+    tokens = jnp.asarray(tokens)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    b, p = tokens.shape
+    if cache.keys[0].shape[0] != b or lengths.shape != (b,):
+      raise ValueError(f"TinyCausalLM.prefill: tokens {tokens.shape}, lengths {lengths.shape} "
+                       f"and the cache's batch {cache.keys[0].shape[0]} must agree on B={b}")
+    if p > cache.max_len:
+      raise ValueError(f"TinyCausalLM.prefill: prompts of {p} tokens do not fit a cache of "
+                       f"max_len={cache.max_len}")
+    if not _is_traced(lengths) and not np.all((np.asarray(lengths) >= 1)
+                                              & (np.asarray(lengths) <= p)):
+      raise ValueError(f"TinyCausalLM.prefill: lengths must lie in [1, {p}], got "
+                       f"{np.asarray(lengths).tolist()}")
+    x = self.embed(tokens)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    keys, values = [], []
+    for block, ck, cv in zip(self.blocks, cache.keys, cache.values):
+      x, k, v = block(x, positions, None)
+      keys.append(lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
+      values.append(lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
+    h = self.final_norm(x)[jnp.arange(b), lengths - 1]
+    return h, KVCache(tuple(keys), tuple(values), lengths)
+
+  def decode_step(self, token: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Appends ``token [B]`` at position ``cache.lengths[b]`` of each row.
+
+    Returns ``(hidden [B, H], cache)`` with ``lengths + 1``. A row whose cache is
+    full (``lengths[b] == max_len``) writes nothing, keeps its length and gets a
+    NaN hidden state (size the cache for prompt + completion: ``sample`` does).
+    """
+    token = jnp.asarray(token)
+    b = cache.lengths.shape[0]
+    if token.shape != (b,):
+      raise ValueError(f"TinyCausalLM.decode_step: token must have shape ({b},), got "
+                       f"{token.shape}")
+    lengths = cache.lengths
+    x = self.embed(token[:, None])
+    keys, values = [], []
+    for block, ck, cv in zip(self.blocks, cache.keys, cache.values):
+      x, ck, cv = block.decode(x, ck, cv, lengths)
+      keys.append(ck)
+      values.append(cv)
+    h = self.final_norm(x)[:, 0]
+    full = lengths >= cache.max_len
+    h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
+    return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))

@@ -1,0 +1,166 @@
+"""``causal_attention``: grouped-query causal attention, bitwise decode = prefill.
+
+The kernels (``jaxrl_kernels/pallas/attention_triton.py``) walk fixed key tiles
+of ``KEY_TILE`` keys aligned to key 0, in ascending order, with a float32
+online softmax, in query blocks of a fixed ``BLOCK_Q`` rows (a decode step pads
+its one query to ``BLOCK_Q`` rows) and fixed Triton warps/stages. A key tile
+that a query row does not reach is skipped exactly for that row. So the output
+bits of query ``(b, i, h)`` at position ``p`` depend only on ``q[b, i, h]``,
+``k[b, :last + 1]``, ``v[b, :last + 1]`` (``last = min(p, kv_lengths[b] - 1)``),
+the dtype and ``scale``; not on ``B``, ``Tq``, ``S``, the other rows, the
+cache contents past ``last``, whether the query is computed one at a time
+against a KV cache (decode), in chunks, or with its whole sequence (prefill),
+nor on whether it runs under ``jax.grad``. ``implementation="xla"`` (the
+materialised baseline) has none of these guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels import _backend
+from jaxrl_kernels.attention.reference import causal_attention_xla
+from jaxrl_kernels.pallas import attention_triton
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+# No Mosaic attention: on Hopper the default falls back to "triton", and
+# implementation="mosaic" is refused with the list of these.
+_SUPPORTED = ("triton", "interpret", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_positions, kv_lengths, st):
+  return attention_triton.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
+                                  interpret=st.interpret)[0]
+
+
+def _attention_fwd(q, k, v, q_positions, kv_lengths, st):
+  # The very kernel of the primal: forward-only and training bits agree.
+  out, lse = attention_triton.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
+                                      interpret=st.interpret)
+  return out, (q, k, v, q_positions, kv_lengths, out, lse)
+
+
+def _attention_bwd(st, res, d_out):
+  q, k, v, q_positions, kv_lengths, out, lse = res
+  dq, dk, dv = attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
+                                         scale=st.scale, interpret=st.interpret)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _validate(q, k, v, q_positions, kv_lengths, scale, impl):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      want = "[B, Tq, Hq, D]" if name == "q" else "[B, S, Hkv, D]"
+      raise ValueError(f"causal_attention: {name} must be {want} (rank 4), got shape {x.shape}")
+    if jnp.dtype(x.dtype).name not in _FLOAT_DTYPES:
+      raise TypeError(f"causal_attention: {name} must be one of {_FLOAT_DTYPES}, got {x.dtype}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"causal_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"causal_attention: k and v must have the same shape, got {k.shape} and "
+                     f"{v.shape}")
+  bsz, tq, hq, d = q.shape
+  if k.shape[0] != bsz:
+    raise ValueError(f"causal_attention: q has batch {bsz} but k/v have {k.shape[0]}")
+  if k.shape[3] != d:
+    raise ValueError(f"causal_attention: q has head dim {d} but k/v have {k.shape[3]}")
+  hkv = k.shape[2]
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"causal_attention: the number of query heads ({hq}) must be a multiple "
+                     f"of the number of kv heads ({hkv})")
+  if impl != "xla" and (d % 16 or not 16 <= d <= attention_triton.MAX_HEAD_DIM):
+    raise ValueError(f"causal_attention: the kernels support head dims that are multiples of 16 "
+                     f"in [16, {attention_triton.MAX_HEAD_DIM}], got {d}")
+  if q_positions is not None:
+    if q_positions.shape != (bsz, tq):
+      raise ValueError(f"causal_attention: q_positions must have shape (B, Tq) = {(bsz, tq)}, "
+                       f"got {q_positions.shape}")
+    if not jnp.issubdtype(q_positions.dtype, jnp.integer):
+      raise TypeError(f"causal_attention: q_positions must be integers, got {q_positions.dtype}")
+  if kv_lengths is not None:
+    if kv_lengths.shape != (bsz,):
+      raise ValueError(f"causal_attention: kv_lengths must have shape (B,) = {(bsz,)}, got "
+                       f"{kv_lengths.shape}")
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+      raise TypeError(f"causal_attention: kv_lengths must be integers, got {kv_lengths.dtype}")
+  if scale is None:
+    return 1.0 / math.sqrt(d)
+  if isinstance(scale, jax.core.Tracer) or not isinstance(scale, numbers.Real | np.ndarray):
+    raise TypeError(f"causal_attention: scale must be a static float, got {scale!r}")
+  scale = float(scale)
+  if not math.isfinite(scale):
+    raise ValueError(f"causal_attention: scale must be finite, got {scale}")
+  return scale
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     q_positions: jax.Array | None = None, kv_lengths: jax.Array | None = None,
+                     scale: float | None = None, implementation: str | None = None) -> jax.Array:
+  """Causal grouped-query attention over left-aligned keys.
+
+  ``out[b, i, h] = sum_j softmax_j(scale q[b, i, h] . k[b, j, h // G]) v[b, j, h // G]``
+  over the keys ``j`` the query sees: ``j <= q_positions[b, i]`` and
+  ``j < kv_lengths[b]`` (``G = Hq // Hkv``). A query that sees no key (e.g.
+  position -1 for padding) outputs exactly 0 and gets zero gradient.
+
+  Args:
+    q: ``[B, Tq, Hq, D]`` bf16, fp16 or fp32.
+    k, v: ``[B, S, Hkv, D]``, q's dtype; key ``j`` sits at position ``j``.
+    q_positions: ``[B, Tq]`` int, default ``S - Tq + arange(Tq)`` (the queries
+      are the last ``Tq`` tokens; ``Tq == S`` is a prefill).
+    kv_lengths: ``[B]`` int, default ``S``: keys at or past it are never read
+      (a KV cache may hold garbage there, NaN included).
+    scale: static float, default ``1 / sqrt(D)``.
+    implementation: ``"triton"`` (GPU; the default there, Hopper included),
+      ``"interpret"`` (the same kernels on CPU; the CPU default) or ``"xla"``
+      (materialised reference; not invariant, never the default). The kernels
+      support ``D`` a multiple of 16 up to 256.
+
+  Returns:
+    ``[B, Tq, Hq, D]`` in q's dtype; bitwise decode/prefill-, batch-, padding-,
+    chunk- and mode-invariant for ``"triton"``/``"interpret"`` (module docstring).
+
+  Gradients w.r.t. q, k, v (``jax.custom_vjp``, Pallas flash-attention backward
+  kernels; deterministic run to run; dk/dv sum over the rows of a batch entry).
+
+  >>> import jax.numpy as jnp
+  >>> q = k = v = jnp.ones((1, 3, 2, 16))
+  >>> causal_attention(q, k, v, implementation="interpret").shape
+  (1, 3, 2, 16)
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  q_positions = None if q_positions is None else jnp.asarray(q_positions)
+  kv_lengths = None if kv_lengths is None else jnp.asarray(kv_lengths)
+  impl = _backend.resolve("causal_attention", implementation, q.dtype, supported=_SUPPORTED)
+  scale = _validate(q, k, v, q_positions, kv_lengths, scale, impl)
+  bsz, tq, _, _ = q.shape
+  s_len = k.shape[1]
+  if q_positions is None:
+    q_positions = jnp.broadcast_to(s_len - tq + jnp.arange(tq, dtype=jnp.int32), (bsz, tq))
+  if kv_lengths is None:
+    kv_lengths = jnp.full((bsz,), s_len, jnp.int32)
+  q_positions = q_positions.astype(jnp.int32)
+  kv_lengths = kv_lengths.astype(jnp.int32)
+  if impl == "xla":
+    return causal_attention_xla(q, k, v, q_positions, kv_lengths, scale=scale)
+  if q.size == 0 or s_len == 0:
+    return jnp.zeros_like(q)
+  return _attention(q, k, v, q_positions, kv_lengths, _Static(scale, impl == "interpret"))

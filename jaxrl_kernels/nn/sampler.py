@@ -1,0 +1,297 @@
+"""A KV-cache sampler for :class:`~jaxrl_kernels.nn.TinyCausalLM` and the trainer-side scorer.
+
+``sample`` decodes one token per row per step on the KV cache at the rollout
+batch size and reports, for every sampled token, the log-prob the model's
+fused LM head (``linear_logp``) gives it. ``score`` recomputes the same
+log-probs the way a trainer does: one full-sequence forward over the
+finished sequences, at another batch size, in chunks, optionally packed
+several sequences per row, optionally with the head vocab-parallel over a
+mesh. With the batch-invariant kernels (``implementation=None``) the two
+agree bit for bit; ``jaxrl-kernels parity`` prints how far they are apart.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl_kernels.nn.tiny_lm import TinyCausalLM
+
+
+class SampleResult(NamedTuple):
+  """What :func:`sample` returns (``N = max_new_tokens``).
+
+  Attributes:
+    tokens: ``[B, P + N]`` int32: row ``b`` is its prompt (``prompt_lengths[b]``
+      tokens), then its completion, then 0s.
+    lengths: ``[B]`` int32, prompt + completion length.
+    completion_mask: ``[B, P + N]`` bool, True on sampled tokens.
+    logp: ``[B, P + N]`` float32, the sampler's log-prob of each sampled token
+      at ``temperature`` (the head's ``linear_logp`` of the hidden state that
+      produced it), 0 elsewhere.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  completion_mask: jax.Array
+  logp: jax.Array
+
+
+def _generate(model: TinyCausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
+              temperature: float, eos_id: int | None):
+  b, p = prompts.shape
+  n = max_new_tokens
+  total = p + n
+  rows = jnp.arange(b)
+  h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, total))
+  cols = jnp.arange(total)
+  tokens = jnp.where(cols < prompt_lengths[:, None], jnp.pad(prompts, ((0, 0), (0, n))), 0)
+  state = (tokens, jnp.zeros((b, total), bool), jnp.zeros((b, total), jnp.float32),
+           jnp.zeros((b,), bool))
+
+  def emit(h, state, i):
+    """Samples token ``i`` of every row from ``h`` and records it."""
+    tokens, mask, logp, done = state
+    # Choosing may read any logits; the reported log-prob is the trainer's op.
+    logits = model.head.logits(h, temperature=temperature)
+    tok = jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+    lp = model.head(h, tok, temperature=temperature)
+    live = ~done
+    at = prompt_lengths + i
+    tokens = tokens.at[rows, at].set(jnp.where(live, tok, 0))
+    mask = mask.at[rows, at].set(live)
+    logp = logp.at[rows, at].set(jnp.where(live, lp, 0.0))
+    if eos_id is not None:
+      done = done | (tok == eos_id)
+    return tok, (tokens, mask, logp, done)
+
+  def step(carry, i):
+    h, cache, state = carry
+    tok, state = emit(h, state, i)
+    h, cache = model.decode_step(tok, cache)
+    return (h, cache, state), None
+
+  (h, _, state), _ = lax.scan(step, (h, cache, state), jnp.arange(n - 1))
+  _, (tokens, mask, logp, _) = emit(h, state, n - 1)  # the last token needs no decode step
+  lengths = prompt_lengths + jnp.sum(mask, axis=1, dtype=jnp.int32)
+  return SampleResult(tokens, lengths, mask, logp)
+
+
+_generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature", "eos_id"))
+
+
+def sample(model: TinyCausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
+           max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
+           eos_id: int | None = None) -> SampleResult:
+  """Samples ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
+
+  Prefills the prompts, then per step: logits ``model.head.logits(h, T)``,
+  ``token ~ categorical(fold_in(key, step), logits)``, its log-prob
+  ``model.head(h, token, temperature=T)``, then ``model.decode_step``.
+
+  Args:
+    model: a :class:`TinyCausalLM`.
+    prompts: ``[B, P]`` int, right-padded.
+    prompt_lengths: ``[B]`` int in ``[1, P]``.
+    max_new_tokens: static ``N >= 1``; the cache holds ``P + N`` positions.
+    key: a PRNG key. The same key, model and inputs give the same tokens.
+    temperature: static float > 0.
+    eos_id: optional; a row stops after sampling it (the eos is part of the
+      completion; later positions are 0, masked, with logp 0).
+
+  Returns:
+    A :class:`SampleResult`.
+  """
+  prompts = jnp.asarray(prompts, jnp.int32)
+  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
+    raise ValueError(f"sample: prompts must be [B, P] and prompt_lengths [B], got "
+                     f"{prompts.shape} and {prompt_lengths.shape}")
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"sample: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if not (isinstance(temperature, int | float) and np.isfinite(temperature) and temperature > 0):
+    raise ValueError(f"sample: temperature must be a finite float > 0, got {temperature!r}")
+  if not isinstance(prompt_lengths, jax.core.Tracer):
+    pl = np.asarray(prompt_lengths)
+    if not np.all((pl >= 1) & (pl <= prompts.shape[1])):
+      raise ValueError(f"sample: prompt_lengths must lie in [1, {prompts.shape[1]}], got "
+                       f"{pl.tolist()}")
+  v = model.config.vocab_size
+  if eos_id is not None and not 0 <= eos_id < v:
+    raise ValueError(f"sample: eos_id must lie in [0, {v}), got {eos_id}")
+  return _generate_jit(model, prompts, prompt_lengths, key, max_new_tokens=max_new_tokens,
+                       temperature=float(temperature), eos_id=eos_id)
+
+
+# --------------------------------------------------------------------------------- scoring
+
+
+def _stock_tp_logp(h, w, targets, mask, *, axis_name, vocab_size, temperature):
+  """The usual vocab-parallel log-softmax in plain XLA (Megatron style): local logits,
+  ``pmax`` of the max, ``psum`` of the exp-sums and of the owned target logit."""
+  v_s = w.shape[0]
+  lo = lax.axis_index(axis_name) * v_s
+  z = jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32).T) / jnp.float32(temperature)
+  z = jnp.where(lo + jnp.arange(v_s) < vocab_size, z, -jnp.inf)
+  m = lax.pmax(jnp.max(z, axis=-1), axis_name)
+  lse = m + jnp.log(lax.psum(jnp.sum(jnp.exp(z - m[:, None]), axis=-1), axis_name))
+  local = targets - lo
+  owned = (local >= 0) & (local < v_s)
+  tz = jnp.take_along_axis(z, jnp.clip(local, 0, v_s - 1)[:, None], axis=-1)[:, 0]
+  tz = lax.psum(jnp.where(owned, tz, 0.0), axis_name)
+  return jnp.where(mask, tz - lse, 0.0)
+
+
+def _tp_head(model: TinyCausalLM, h, targets, mask, mesh: Mesh, temperature: float):
+  """The head's log-probs with the vocabulary split over ``mesh``'s (only) axis."""
+  from jaxrl_kernels import _compat
+  from jaxrl_kernels.linear_logp import pad_vocab, vocab_parallel_logp
+
+  head = model.head
+  if head.weight_layout != "vh" or head.bias is not None:
+    raise ValueError("score: tp_mesh supports the tied, bias-free head of TinyCausalLM")
+  (axis,) = mesh.axis_names
+  tp = mesh.shape[axis]
+  v = model.config.vocab_size
+  w = pad_vocab(head._weight(), tp, weight_layout="vh")
+  lead = targets.shape
+  h2 = head._hidden(h).reshape(-1, h.shape[-1])
+  t2, m2 = targets.reshape(-1), mask.reshape(-1)
+  if model.config.implementation == "xla":
+    fn = _compat.shard_map(
+        lambda a, b, c, d: _stock_tp_logp(a, b, c, d, axis_name=axis, vocab_size=v,
+                                          temperature=temperature),
+        mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axis, None), PartitionSpec(),
+                             PartitionSpec()),
+        out_specs=PartitionSpec(), check_vma=False)
+    return fn(h2, w, t2, m2).reshape(lead)
+  out = vocab_parallel_logp(h2, w, t2, mesh=mesh, weight_spec=PartitionSpec(axis, None),
+                            vocab_size=v, mask=m2, temperature=temperature,
+                            weight_layout="vh", fp32_head=head.fp32_head,
+                            implementation=head.implementation)
+  return out.reshape(lead)
+
+
+def _rows_logp(model: TinyCausalLM, tokens, targets, mask, positions, segment_ids, *,
+               temperature: float, max_docs: int | None, tp_mesh: Mesh | None):
+  if tp_mesh is None:
+    return model.logp(tokens, targets, mask, positions=positions, segment_ids=segment_ids,
+                      max_docs=max_docs, temperature=temperature)
+  h = model(tokens, positions, segment_ids, max_docs=max_docs)
+  return _tp_head(model, h, targets, mask, tp_mesh, temperature)
+
+
+_rows_logp_jit = nnx.jit(_rows_logp, static_argnames=("temperature", "max_docs", "tp_mesh"))
+
+
+def _pack(lengths: np.ndarray, width: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+  """First-fit packing of sequences (in order) into rows of ``width`` tokens.
+  Returns each row's sequence ids and each sequence's (row, column)."""
+  rows, room = [], []
+  where_row = np.zeros(len(lengths), np.int64)
+  where_col = np.zeros(len(lengths), np.int64)
+  for b, n in enumerate(lengths):
+    r = next((i for i, free in enumerate(room) if free >= n), None)
+    if r is None:
+      rows.append([])
+      room.append(width)
+      r = len(rows) - 1
+    where_row[b], where_col[b] = r, width - room[r]
+    rows[r].append(b)
+    room[r] -= n
+  return rows, where_row, where_col
+
+
+def score(model: TinyCausalLM, tokens, completion_mask, *, temperature: float = 1.0,
+          batch_size: int | None = None, pack: bool = False,
+          tp_mesh: Mesh | None = None) -> np.ndarray:
+  """The trainer's float32 log-probs of the completion tokens, from the full-sequence forward.
+
+  ``out[b, t] = log p(tokens[b, t] | tokens[b, :t])`` at ``temperature`` where
+  ``completion_mask[b, t]``, else 0: aligned with :class:`SampleResult` ``.logp``.
+  Row ``b``'s sequence is ``tokens[b, :L_b]``, ``L_b`` = 1 + the last True
+  column of its mask (the completion ends the sequence; a row with no
+  completion is not scored).
+
+  Args:
+    model: a :class:`TinyCausalLM`.
+    tokens: ``[B, T]`` int (e.g. ``SampleResult.tokens``).
+    completion_mask: ``[B, T]`` bool, False in column 0.
+    temperature: static float > 0.
+    batch_size: rows per forward call (default: all rows in one call); the last
+      chunk is padded with empty rows.
+    pack: first-fit pack the sequences into rows of ``2 T`` tokens, several
+      per row (``segment_ids`` and positions restarting per sequence, unused
+      tail positions -1), before chunking.
+    tp_mesh: a 1-axis mesh: the LM head runs vocab-parallel over it
+      (``vocab_parallel_logp``; for ``implementation="xla"`` models the usual
+      ``pmax``/``psum`` log-softmax).
+
+  Returns:
+    ``[B, T]`` float32 numpy array. Host-side (data-dependent packing); the
+    forward itself runs under ``nnx.jit``.
+  """
+  tokens = np.asarray(tokens, np.int32)
+  cm = np.asarray(completion_mask, bool)
+  if tokens.ndim != 2 or cm.shape != tokens.shape:
+    raise ValueError(f"score: tokens and completion_mask must be [B, T] of one shape, got "
+                     f"{tokens.shape} and {cm.shape}")
+  if cm[:, :1].any():
+    raise ValueError("score: completion_mask[:, 0] must be False (a first token has no prefix)")
+  b, t = tokens.shape
+  if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    raise ValueError(f"score: batch_size must be an int >= 1 or None, got {batch_size!r}")
+  lengths = np.where(cm.any(1), t - np.argmax(cm[:, ::-1], axis=1), 0)
+  # Column j predicts token j + 1.
+  targets = np.zeros_like(tokens)
+  targets[:, :-1] = tokens[:, 1:]
+  tmask = np.zeros_like(cm)
+  tmask[:, :-1] = cm[:, 1:]
+  if pack:
+    width = 2 * t
+    rows, at_row, at_col = _pack(lengths, width)
+    n_rows = len(rows)
+    arrays = {k: np.zeros((n_rows, width), dt) for k, dt in
+              (("tokens", np.int32), ("targets", np.int32), ("mask", bool),
+               ("segment_ids", np.int32))}
+    arrays["positions"] = np.full((n_rows, width), -1, np.int32)
+    for s in range(b):
+      r, c, n = at_row[s], at_col[s], lengths[s]
+      arrays["tokens"][r, c:c + n] = tokens[s, :n]
+      arrays["targets"][r, c:c + n] = targets[s, :n]
+      arrays["mask"][r, c:c + n] = tmask[s, :n]
+      arrays["positions"][r, c:c + n] = np.arange(n)
+      arrays["segment_ids"][r, c:c + n] = 1 + rows[r].index(s)
+  else:
+    n_rows, width = b, t
+    at_row, at_col = np.arange(b), np.zeros(b, np.int64)
+    arrays = {"tokens": tokens, "targets": targets, "mask": tmask}
+  chunk = n_rows if batch_size is None else batch_size
+  n_chunks = -(-n_rows // chunk) if n_rows else 0
+  extra = n_chunks * chunk - n_rows
+  pad_value = {"positions": -1}
+  arrays = {k: np.concatenate([a, np.full((extra, width), pad_value.get(k, 0), a.dtype)])
+            for k, a in arrays.items()}
+  max_docs = None
+  if pack:
+    docs_per_row = np.array([len(r) for r in rows] + [0] * extra)
+    max_docs = max(1, int(docs_per_row.reshape(n_chunks, chunk).sum(1).max()))
+  out = np.zeros((n_chunks * chunk, width), np.float32)
+  for i in range(n_chunks):
+    sl = slice(i * chunk, (i + 1) * chunk)
+    out[sl] = np.asarray(_rows_logp_jit(
+        model, arrays["tokens"][sl], arrays["targets"][sl], arrays["mask"][sl],
+        arrays["positions"][sl] if pack else None, arrays["segment_ids"][sl] if pack else None,
+        temperature=float(temperature), max_docs=max_docs, tp_mesh=tp_mesh))
+  result = np.zeros((b, t), np.float32)
+  for s in range(b):
+    n = lengths[s]
+    if n > 1:  # out[.., c + j] scores token j + 1 of the sequence
+      result[s, 1:n] = out[at_row[s], at_col[s]:at_col[s] + n - 1]
+  return np.where(cm, result, np.float32(0))

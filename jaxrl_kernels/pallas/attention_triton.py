@@ -1,0 +1,328 @@
+"""Causal (grouped-query) attention in Pallas: forward and backward, decode = prefill.
+
+Layouts: ``q [B, Tq, Hq, D]``, ``k, v [B, S, Hkv, D]``, ``q_positions [B, Tq]``,
+``kv_lengths [B]`` (int32). Query ``i`` of row ``b`` at position ``p`` sees key
+``j`` iff ``j <= p`` and ``j < kv_lengths[b]``; ``last = min(p, kv_len - 1)`` is
+the last key it sees (``last < 0``: none).
+
+Forward (program = one ``BLOCK_Q`` block of queries of one (row, query head)):
+walk key tiles ``[t * KEY_TILE, (t + 1) * KEY_TILE)`` for ``t = 0, 1, ...`` in
+ascending order up to the block's largest ``last``, with an fp32 online softmax
+in base 2 (``s = log2(e) * scale * q . k``):
+
+    m' = max(m, max_j s_j),  a = 2^(m - m'),  p_j = 2^(s_j - m'),
+    l' = a l + sum_j p_j,    acc' = a acc + p @ v_tile,   out = acc / l.
+
+A row whose ``last`` lies before a tile's first key keeps ``(m, l, acc)``
+unchanged (a select, not an update by zero): for that row the tile is skipped
+exactly, so walking extra tiles for other rows of the block never touches its
+bits. Masked keys give ``p = 0``; K/V past the block's largest ``last`` (and
+past ``kv_len``) are masked loads (0), so garbage in a cache can never leak
+(not even a NaN through ``0 * NaN``). Output zeros are written as +0.
+
+The invariance contract (decode = prefill, batch, padding, chunking, mode):
+``BLOCK_Q``, ``KEY_TILE``, the padded head dim and the Triton warps/stages are
+fixed for every call of a dtype, so every query row goes through the same tile
+instructions whatever ``B``, ``Tq``, ``S``, the block's other rows or the
+number of tiles walked. A row's bits depend only on ``q[b, i, h]``,
+``k/v[b, :last + 1, h // group]``, the dtype and ``scale``.
+
+Backward (flash-attention style, from the saved base-2 logsumexp; no atomics,
+so run-to-run deterministic): ``dq`` per query block looping over key tiles;
+``dk, dv`` per key block looping over the group's query heads and all query
+blocks (blocks that see none of its keys are skipped by a ``cond``).
+``delta = rowsum(dO * O)`` comes in precomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Part of the numerical contract (with the head-dim padding and FWD_NUM_WARPS /
+# FWD_NUM_STAGES below): queries per forward program, and the key tile walked
+# in ascending order from key 0. Decode pads its single query up to BLOCK_Q
+# rows so that it runs the very instructions of a prefill block.
+BLOCK_Q = 64
+KEY_TILE = 64
+FWD_NUM_WARPS = 4
+FWD_NUM_STAGES = 2
+
+MAX_HEAD_DIM = 256
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Free tiling knobs of the backward kernels (gradients are deterministic for
+  any value; they are not part of the forward contract).
+
+  Attributes:
+    dq_block_q, dq_block_k: query rows per dQ program and its key step.
+    dkv_block_q, dkv_block_k: query step and key rows per dK/dV program.
+    num_warps, num_stages: Triton compiler parameters.
+  """
+
+  dq_block_q: int = 64
+  dq_block_k: int = 32
+  dkv_block_q: int = 32
+  dkv_block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def padded_head_dim(d: int) -> int:
+  """Triton tiles are powers of two: D is padded (masked loads) to the next one."""
+  return max(16, pl.next_power_of_2(d))
+
+
+def dot_precision(dtype, interpret: bool):
+  """fp32 products get fp32 accuracy (IEEE on CPU, 3xTF32 on GPU); never TF32."""
+  if jnp.dtype(dtype) != jnp.float32:
+    return None
+  return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _compiler_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
+  if interpret:
+    return {}
+  return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
+def _dot(a, b, precision, *, trans_a=False, trans_b=False):
+  """``a @ b`` (optionally transposed operands) with float32 accumulation."""
+  dims = ((0,) if trans_a else (1,), (1,) if trans_b else (0,))
+  return lax.dot_general(a, b, (dims, ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
+def _last_visible(pos_ref, b, row0, block, kv_len, *, tq):
+  """``last = min(p, kv_len - 1)`` of ``block`` query rows from ``row0`` (-1 past Tq)."""
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (block,), 0)
+  row_ok = rows < tq
+  pos = pltriton.load(pos_ref.at[b, pl.ds(row0, block)], mask=row_ok, other=-1)
+  return jnp.maximum(jnp.minimum(pos, kv_len - 1), -1), row_ok
+
+
+def _load_rows(ref, b, row0, block, head, row_ok, d_ok, dp):
+  """``ref[b, row0:row0 + block, head, :dp]`` with masked rows / columns as 0."""
+  return pltriton.load(ref.at[b, pl.ds(row0, block), head, pl.ds(0, dp)],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0)
+
+
+def _scores(q, k, last, key0, block_k, *, scale2, precision):
+  """Base-2 scores ``[rows, block_k]`` of one tile and its visibility mask.
+
+  The one definition of the scores shared by the forward and both backward
+  kernels: ``s = (q @ k^T) * log2(e) * scale``, ``-inf`` where key ``j`` is
+  not visible to the row (``j > last``).
+  """
+  keys = key0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+  visible = keys[None, :] <= last[:, None]
+  s = _dot(q, k, precision, trans_b=True) * jnp.float32(scale2)
+  return jnp.where(visible, s, -jnp.inf), visible
+
+
+def _kv_tile_mask(key0, block_k, bound):
+  """Keys of the tile below ``bound`` (exclusive); the rest load as 0."""
+  return key0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0) < bound
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, o_ref, lse_ref, *, tq, s_len, d, hq,
+                group, scale2, precision):
+  dp = padded_head_dim(d)
+  qb = pl.program_id(0)
+  b = pl.program_id(1) // hq
+  h = pl.program_id(1) % hq
+  hk = h // group
+  row0 = qb * BLOCK_Q
+  d_ok = lax.broadcasted_iota(jnp.int32, (dp,), 0) < d
+  kv_len = jnp.minimum(kvl_ref[b], s_len)
+  last, row_ok = _last_visible(pos_ref, b, row0, BLOCK_Q, kv_len, tq=tq)
+  q = _load_rows(q_ref, b, row0, BLOCK_Q, h, row_ok, d_ok, dp)
+  block_last = jnp.max(last)
+  n_tiles = (block_last + KEY_TILE) // KEY_TILE  # 0 when no row sees a key
+
+  def body(t, carry):
+    m, den, acc = carry
+    key0 = t * KEY_TILE
+    kv_ok = _kv_tile_mask(key0, KEY_TILE, block_last + 1)
+    k = _load_rows(k_ref, b, key0, KEY_TILE, hk, kv_ok, d_ok, dp)
+    v = _load_rows(v_ref, b, key0, KEY_TILE, hk, kv_ok, d_ok, dp)
+    s, visible = _scores(q, k, last, key0, KEY_TILE, scale2=scale2, precision=precision)
+    active = last >= key0  # the row sees at least one key of this tile
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(active, m_new, 0.0)  # no (-inf) - (-inf) in skipped rows
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.where(visible, jnp.exp2(s - m_use[:, None]), 0.0)
+    den_new = alpha * den + jnp.sum(p, axis=1)
+    acc_new = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, precision)
+    # Rows that see nothing here keep their state: the tile is skipped exactly.
+    return (jnp.where(active, m_new, m), jnp.where(active, den_new, den),
+            jnp.where(active[:, None], acc_new, acc))
+
+  init = (jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), jnp.zeros((BLOCK_Q,), jnp.float32),
+          jnp.zeros((BLOCK_Q, dp), jnp.float32))
+  # Ascending key tiles from key 0: the reduction order of the contract.
+  m, den, acc = lax.fori_loop(0, n_tiles, body, init)
+  seen = den > 0
+  out = acc / jnp.where(seen, den, 1.0)[:, None]
+  # A row that sees no key gives 0; zeros are written as +0 (a masked key adds
+  # a signed zero whose sign could differ between a cache and a sequence).
+  out = jnp.where(seen[:, None] & (out != 0), out, 0.0)
+  lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, den, 1.0)), 0.0)
+  pltriton.store(o_ref.at[b, pl.ds(row0, BLOCK_Q), h, pl.ds(0, dp)], out.astype(o_ref.dtype),
+                 mask=row_ok[:, None] & d_ok[None, :])
+  pltriton.store(lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)], lse, mask=row_ok)
+
+
+def forward(q, k, v, q_positions, kv_lengths, *, scale: float, interpret: bool):
+  """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
+
+  ``lse2 = max_j s_j + log2 sum_j 2^(s_j - max)`` with ``s = log2(e) * scale * q . k``
+  over visible keys (0 for a row that sees none).
+  """
+  bsz, tq, hq, d = q.shape
+  s_len, hkv = k.shape[1], k.shape[2]
+  kernel = functools.partial(_fwd_kernel, tq=tq, s_len=s_len, d=d, hq=hq, group=hq // hkv,
+                             scale2=scale * LOG2E, precision=dot_precision(q.dtype, interpret))
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(tq, BLOCK_Q), bsz * hq),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((bsz, hq, tq), jnp.float32)),
+      interpret=interpret,
+      name="causal_attention_fwd",
+      **_compiler_params(FWD_NUM_WARPS, FWD_NUM_STAGES, interpret),
+  )(q, k, v, q_positions, kv_lengths)
+
+
+def _probs(q, k, last, lse, key0, block_k, *, scale2, precision):
+  """Softmax probabilities ``[rows, block_k]`` of a tile, recomputed from lse2."""
+  s, visible = _scores(q, k, last, key0, block_k, scale2=scale2, precision=precision)
+  return jnp.where(visible, jnp.exp2(s - lse[:, None]), 0.0)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               tq, s_len, d, hq, group, scale, precision, block_q, block_k):
+  dp = padded_head_dim(d)
+  qb = pl.program_id(0)
+  b = pl.program_id(1) // hq
+  h = pl.program_id(1) % hq
+  hk = h // group
+  row0 = qb * block_q
+  d_ok = lax.broadcasted_iota(jnp.int32, (dp,), 0) < d
+  kv_len = jnp.minimum(kvl_ref[b], s_len)
+  last, row_ok = _last_visible(pos_ref, b, row0, block_q, kv_len, tq=tq)
+  q = _load_rows(q_ref, b, row0, block_q, h, row_ok, d_ok, dp)
+  do = _load_rows(do_ref, b, row0, block_q, h, row_ok, d_ok, dp)
+  lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
+  delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
+  block_last = jnp.max(last)
+
+  def body(t, dq):
+    key0 = t * block_k
+    kv_ok = _kv_tile_mask(key0, block_k, block_last + 1)
+    k = _load_rows(k_ref, b, key0, block_k, hk, kv_ok, d_ok, dp)
+    v = _load_rows(v_ref, b, key0, block_k, hk, kv_ok, d_ok, dp)
+    p = _probs(q, k, last, lse, key0, block_k, scale2=scale * LOG2E, precision=precision)
+    ds = p * (_dot(do, v, precision, trans_b=True) - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k, precision)
+
+  dq = lax.fori_loop(0, (block_last + block_k) // block_k, body,
+                     jnp.zeros((block_q, dp), jnp.float32))
+  pltriton.store(dq_ref.at[b, pl.ds(row0, block_q), h, pl.ds(0, dp)],
+                 (dq * jnp.float32(scale)).astype(dq_ref.dtype),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, *, tq, s_len, d, hkv, group, scale, precision, block_q, block_k):
+  dp = padded_head_dim(d)
+  kb = pl.program_id(0)
+  b = pl.program_id(1) // hkv
+  hk = pl.program_id(1) % hkv
+  key0 = kb * block_k
+  d_ok = lax.broadcasted_iota(jnp.int32, (dp,), 0) < d
+  kv_len = jnp.minimum(kvl_ref[b], s_len)
+  key_ok = _kv_tile_mask(key0, block_k, kv_len)
+  k = _load_rows(k_ref, b, key0, block_k, hk, key_ok, d_ok, dp)
+  v = _load_rows(v_ref, b, key0, block_k, hk, key_ok, d_ok, dp)
+  n_qb = pl.cdiv(tq, block_q)
+
+  def q_block(i, carry):
+    # lax.div/rem, not // and %: jnp's floor-mod inside a loop body failed the
+    # Triton lowering on jax 0.11.2 (an i32 % i1 operand mismatch).
+    g, qb = lax.div(i, jnp.int32(n_qb)), lax.rem(i, jnp.int32(n_qb))
+    h = hk * group + g
+    row0 = qb * block_q
+    last, row_ok = _last_visible(pos_ref, b, row0, block_q, kv_len, tq=tq)
+
+    def update(carry):
+      dk, dv = carry
+      q = _load_rows(q_ref, b, row0, block_q, h, row_ok, d_ok, dp)
+      do = _load_rows(do_ref, b, row0, block_q, h, row_ok, d_ok, dp)
+      lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
+      delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
+      p = _probs(q, k, last, lse, key0, block_k, scale2=scale * LOG2E, precision=precision)
+      dv = dv + _dot(p.astype(do.dtype), do, precision, trans_a=True)
+      ds = p * (_dot(do, v, precision, trans_b=True) - delta[:, None])
+      dk = dk + _dot(ds.astype(q.dtype), q, precision, trans_a=True)
+      return dk, dv
+
+    # Query blocks that see none of these keys contribute nothing: skip them.
+    return lax.cond(jnp.max(last) >= key0, update, lambda c: c, carry)
+
+  zeros = jnp.zeros((block_k, dp), jnp.float32)
+  dk, dv = lax.fori_loop(0, group * n_qb, q_block, (zeros, zeros))
+  store_ok = _kv_tile_mask(key0, block_k, s_len)[:, None] & d_ok[None, :]
+  pltriton.store(dk_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
+                 (dk * jnp.float32(scale)).astype(dk_ref.dtype), mask=store_ok)
+  pltriton.store(dv_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
+                 dv.astype(dv_ref.dtype), mask=store_ok)
+
+
+def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
+             interpret: bool, config: BackwardConfig | None = None):
+  """``(dq, dk, dv)`` in the input dtypes, from the forward's ``out`` and ``lse``.
+
+  ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale dS K``,
+  ``dK = scale dS^T Q`` (summed over the query heads of a kv head), ``dV = P^T dO``.
+  """
+  cfg = config or BackwardConfig()
+  bsz, tq, hq, d = q.shape
+  s_len, hkv = k.shape[1], k.shape[2]
+  group = hq // hkv
+  d_out = d_out.astype(q.dtype)
+  delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+  common = dict(tq=tq, s_len=s_len, d=d, group=group, scale=scale,
+                precision=dot_precision(q.dtype, interpret))
+  args = (q, k, v, q_positions, kv_lengths, d_out, lse, delta)
+  params = _compiler_params(cfg.num_warps, cfg.num_stages, interpret)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, hq=hq, block_q=cfg.dq_block_q, block_k=cfg.dq_block_k,
+                        **common),
+      grid=(pl.cdiv(tq, cfg.dq_block_q), bsz * hq),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=interpret,
+      name="causal_attention_dq",
+      **params,
+  )(*args)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, hkv=hkv, block_q=cfg.dkv_block_q, block_k=cfg.dkv_block_k,
+                        **common),
+      grid=(pl.cdiv(s_len, cfg.dkv_block_k), bsz * hkv),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      interpret=interpret,
+      name="causal_attention_dkv",
+      **params,
+  )(*args)
+  return dq, dk, dv

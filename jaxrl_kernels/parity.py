@@ -1,0 +1,313 @@
+"""``jaxrl-kernels parity``: are the sampler's and the trainer's log-probs the same bits?
+
+Two sections:
+
+1. **kernels** (also ``jaxrl-kernels kernels``): the same rows through
+   ``det_matmul`` and ``jnp.dot`` at batch sizes 1 ... M, and the same tokens'
+   log-probs through ``linear_logp`` and the materialised XLA path at several
+   batch sizes; does any row's bits change?
+2. **on-policy parity**: builds ``TinyCausalLM`` (fixed seed, or ``--params``),
+   samples completions for ``--batch`` prompts with the KV-cache sampler
+   (``nn.sampler.sample``: one token per step, batch B1), then recomputes every
+   sampled token's log-prob as a trainer would (``nn.sampler.score``: one
+   full-sequence forward, in chunks of another batch size, packed several
+   sequences per row, and with ``--tp N`` a vocab-parallel head), for the stock
+   XLA path (``implementation="xla"``) and for jaxrl_kernels, and prints
+   ``logprob_drift`` of trainer vs sampler (max |dlogp|, approx_kl0, clipfrac0,
+   bitwise, worst token).
+
+Exit status 0 iff jaxrl_kernels is bitwise in both sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ------------------------------------------------------------------------------ kernels
+
+
+def _wide_rows(key, m, k, dtype):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (m, k), jnp.float32)
+  scale = 2.0 ** jax.random.randint(k2, (m, 1), -10, 11).astype(jnp.float32)
+  return (x * scale).astype(dtype)
+
+
+def _sweep(fn, x, sizes):
+  """Max |delta| and bitwise flag of ``fn(x[:m])`` rows against ``fn(x)`` rows."""
+  full = np.asarray(fn(x), np.float32)
+  worst, same = 0.0, True
+  for m in sizes:
+    part = np.asarray(fn(x[:m]), np.float32)
+    same &= bool(np.array_equal(part.view(np.uint32), full[:m].view(np.uint32)))
+    worst = max(worst, float(np.max(np.abs(part - full[:m]))))
+  return same, worst
+
+
+def gemm_check(impl: str | None, k: int, n: int, m_max: int, dtype) -> list[tuple]:
+  from jaxrl_kernels import det_matmul
+  from jaxrl_kernels.gemm.api import resolve_implementation
+  x = _wide_rows(jax.random.key(0), m_max, k, dtype)
+  w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
+  sizes = [1 << i for i in range(m_max.bit_length()) if (1 << i) < m_max] + [m_max // 3 or 1]
+  chosen = resolve_implementation(impl, jnp.dtype(dtype), n, k)
+  rows = []
+  for name, fn in ((f"det_matmul ({chosen})",
+                    jax.jit(lambda a: det_matmul(a, w, implementation=chosen))),
+                   ("jnp.dot (XLA)", jax.jit(lambda a: jnp.dot(a, w)))):
+    t0 = time.perf_counter()
+    same, worst = _sweep(fn, x, sizes)
+    rows.append((name, same, worst, time.perf_counter() - t0))
+  return rows
+
+
+def logp_check(impl: str | None, h: int, v: int, t_max: int, dtype):
+  from jaxrl_kernels import linear_logp, logprob_drift
+  x = _wide_rows(jax.random.key(2), t_max, h, dtype)
+  x = (x.astype(jnp.float32) * 2.0**-6).astype(dtype)
+  w = (jax.random.normal(jax.random.key(3), (h, v), jnp.float32) * 0.1).astype(dtype)
+  tg = jax.random.randint(jax.random.key(4), (t_max,), 0, v)
+  sizes = (1, 7, t_max // 2)
+  out = {}
+  for name, impl_name in (("linear_logp", impl), ("XLA log_softmax", "xla")):
+    fn = jax.jit(lambda a, t, impl_name=impl_name: linear_logp(a, w, t,
+                                                               implementation=impl_name))
+    full = np.asarray(fn(x, tg))
+    alone = np.concatenate([np.asarray(fn(x[s:s + m], tg[s:s + m]))
+                            for s, m in zip((0, 1, 8), sizes)])
+    idx = np.concatenate([np.arange(s, s + m) for s, m in zip((0, 1, 8), sizes)])
+    out[name] = logprob_drift(alone, full[idx], np.asarray(tg)[idx])
+  return out
+
+
+def kernels_report(args) -> bool:
+  """Prints the GEMM and ``linear_logp`` batch-invariance section; True iff bitwise."""
+  from jaxrl_kernels import _backend
+  dtype = jnp.dtype(args.dtype)
+  on_gpu = _backend.platform() == "gpu"
+  k, n, m_max = (4096, 4096, 1024) if on_gpu else (256, 256, 256)
+  h, v, t_max = (1024, 32000, 256) if on_gpu else (64, 1000, 64)
+  print(f"== kernels: batch invariance ({dtype.name})")
+  print(f"GEMM rows at batch sizes 1 ... {m_max} (K={k}, N={n}) vs the same rows at M={m_max}:")
+  print(f"  {'op':<26} {'bitwise':<8} {'max |delta|':<12} time")
+  ok = True
+  for i, (name, same, worst, secs) in enumerate(gemm_check(args.implementation, k, n, m_max,
+                                                           dtype)):
+    print(f"  {name:<26} {'yes' if same else 'NO':<8} {worst:<12.3g} {secs:.1f}s")
+    if i == 0:
+      ok &= same
+  print(f"log-probs of tokens in batches of 1, 7, {t_max // 2} vs in one batch of {t_max} "
+        f"(H={h}, V={v}):")
+  for name, r in logp_check(args.implementation, h, v, t_max, dtype).items():
+    print(f"  {name:<26} {'yes' if r.bitwise_equal else 'NO':<8} {r.max_abs_error:<12.3g}")
+    if name == "linear_logp":
+      ok &= r.bitwise_equal
+  print("kernels: jaxrl_kernels is " + ("bitwise batch-invariant on this device"
+                                          if ok else "NOT bitwise batch-invariant here"))
+  return ok
+
+
+# ------------------------------------------------------------------------------ parity
+
+
+class _Progress:
+  """A ``rich`` progress bar over the parity stages; plain prints without ``rich``."""
+
+  def __init__(self, total: int):
+    self.total, self.done = total, 0
+    try:
+      from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+      self._bar = None
+    else:
+      self._bar = Progress(TextColumn("{task.description:<44}"), BarColumn(),
+                           TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+      self._task = self._bar.add_task("parity", total=total)
+
+  def __enter__(self):
+    if self._bar is not None:
+      self._bar.start()
+    return self
+
+  def __exit__(self, *exc):
+    if self._bar is not None:
+      self._bar.stop()
+
+  def stage(self, description: str):
+    """Announces the next stage; the previous one is counted done."""
+    if self._bar is not None:
+      self._bar.update(self._task, description=description, completed=self.done)
+    else:
+      print(f"[{self.done + 1}/{self.total}] {description}", flush=True)
+    self.done += 1
+
+  def finish(self):
+    if self._bar is not None:
+      self._bar.update(self._task, description="done", completed=self.total)
+
+
+def _variants(batch: int, tp: int) -> list[tuple[str, dict]]:
+  """How the trainer recomputes the log-probs: (label, ``score`` keywords)."""
+  b2 = max(1, batch // 3) if batch > 1 else 1
+  out = [(f"chunks of {b2} rows (B2 != B1, last chunk padded)", dict(batch_size=b2)),
+         ("packed 2T-wide rows, 2 rows per call", dict(pack=True, batch_size=2))]
+  if tp > 1:
+    out.append((f"vocab-parallel head, TP={tp}, packed", dict(pack=True, tp=tp)))
+  return out
+
+
+def _load_params(model, path: str):
+  from jaxrl_kernels.nn import checkpoint
+  loaded = checkpoint.load_params(model, path)
+  return model if loaded is None else loaded
+
+
+def parity_report(args) -> bool:
+  """Prints the on-policy parity section; True iff jaxrl_kernels is bitwise."""
+  from flax import nnx
+
+  from jaxrl_kernels.diagnostics import logprob_drift
+  from jaxrl_kernels.nn.sampler import sample, score
+  from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
+
+  over = dict(dtype=args.model_dtype)
+  if args.vocab_size is not None:
+    over["vocab_size"] = args.vocab_size
+  cfg = TinyLMConfig.preset(args.model, **over)
+  mesh = None
+  if args.tp > 1:
+    devs = jax.devices()
+    if len(devs) < args.tp:
+      raise SystemExit(f"parity: --tp {args.tp} needs {args.tp} devices, JAX sees {len(devs)}")
+    mesh = jax.sharding.Mesh(np.asarray(devs[:args.tp]), ("tp",))
+  rng = np.random.default_rng(args.seed)
+  b, p, n = args.batch, args.prompt_len, args.new_tokens
+  prompts = rng.integers(0, cfg.vocab_size, (b, p)).astype(np.int32)
+  prompt_lengths = rng.integers(max(1, p // 2), p + 1, b).astype(np.int32)
+  variants = _variants(b, args.tp)
+  print(f"\n== on-policy parity: KV-cache sampler (batch {b}) vs trainer forward")
+  print(f"model  TinyCausalLM {args.model!r}: V={cfg.vocab_size}, H={cfg.hidden}, "
+        f"layers={cfg.num_layers}, heads={cfg.num_heads}, {cfg.dtype}"
+        + (f", params from {args.params}" if args.params else f", seed {args.seed}"))
+  print(f"data   {b} prompts of {prompt_lengths.min()}-{p} tokens, {n} new tokens each, "
+        f"temperature {args.temperature}")
+  print("trainer recomputations:\n" + "\n".join(f"  {i}. {v}" for i, (v, _) in
+                                                enumerate(variants, 1)))
+  paths = (("stock XLA", "xla"), ("jaxrl_kernels", args.implementation))
+  reports = {}
+  with _Progress(len(paths) * (2 + len(variants))) as bar:
+    for label, impl in paths:
+      bar.stage(f"{label}: build model")
+      model = TinyCausalLM(dataclasses.replace(cfg, implementation=impl),
+                           rngs=nnx.Rngs(args.seed))
+      if args.params:
+        model = _load_params(model, args.params)
+      bar.stage(f"{label}: sample (KV cache)")
+      res = sample(model, prompts, prompt_lengths, max_new_tokens=n,
+                   key=jax.random.key(args.seed), temperature=args.temperature)
+      ref, tokens, mask = (np.asarray(x) for x in (res.logp, res.tokens, res.completion_mask))
+      cands = []
+      for i, (_, kw) in enumerate(variants, 1):
+        bar.stage(f"{label}: trainer recompute {i}/{len(variants)}")
+        kw = dict(kw)
+        if kw.pop("tp", None):
+          kw["tp_mesh"] = mesh
+        cands.append(score(model, tokens, mask, temperature=args.temperature, **kw))
+      reports[label] = [logprob_drift(c, ref, tokens, mask) for c in cands]
+      stack = len(cands)
+      reports[label].append(logprob_drift(
+          np.stack(cands), np.broadcast_to(ref, (stack, *ref.shape)),
+          np.broadcast_to(tokens, (stack, *ref.shape)),
+          np.broadcast_to(mask, (stack, *ref.shape))))
+    bar.finish()
+  for label, _ in paths:
+    *per, total = reports[label]
+    print(f"\n-- {label}: trainer vs sampler log-probs of the {per[0].num_active} sampled "
+          f"tokens")
+    for i, r in enumerate(per, 1):
+      print(f"  {i}. bitwise {'yes' if r.bitwise_equal else 'NO ':<3}  max |d| "
+            f"{r.max_abs_error:.3e}  approx_kl0 {r.approx_kl0:.3e}  clipfrac0 {r.clipfrac0:.4f}")
+    print("all recomputations (worst token index: [recomputation - 1, row, column]):")
+    print(total.table())
+  ok = all(r.bitwise_equal for r in reports["jaxrl_kernels"])
+  print("\nparity: jaxrl_kernels is " + ("bitwise on-policy (trainer log-probs == sampler "
+                                           "log-probs, every token)" if ok
+                                           else "NOT bitwise on-policy here"))
+  return ok
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--implementation", default=None,
+                 help="force jaxrl_kernels' implementation (default: chosen by device)")
+  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                 help="dtype of the kernel section (default bfloat16)")
+  p.add_argument("--device", default=None, choices=["cpu", "gpu"],
+                 help="JAX platform to run on (default: JAX's default backend)")
+
+
+def add_parity_arguments(p: argparse.ArgumentParser) -> None:
+  add_kernel_arguments(p)
+  p.add_argument("--model", default="tiny", choices=["test", "tiny", "small"],
+                 help="TinyLMConfig preset (default tiny)")
+  p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="the model's parameter/activation dtype (default float32)")
+  p.add_argument("--vocab-size", type=int, default=None,
+                 help="override the preset's vocabulary (e.g. 256 so --tp 2 splits it)")
+  p.add_argument("--params", default=None, metavar="PATH",
+                 help="load parameters from a safetensors/orbax checkpoint")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--batch", type=int, default=8, help="prompts, the sampler's batch B1")
+  p.add_argument("--prompt-len", type=int, default=8)
+  p.add_argument("--new-tokens", type=int, default=16)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--tp", type=int, default=1,
+                 help="also recompute with the LM head vocab-parallel over N devices")
+
+
+def select_device(device: str | None, tp: int = 1) -> None:
+  """Picks the JAX platform before JAX starts its backends (no-op if they run already)."""
+  if device is None:
+    return
+  if device == "cpu" and tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+      "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={tp}").strip()
+  jax.config.update("jax_platforms", device if device != "gpu" else "cuda")
+  if jax.default_backend() != device:
+    raise SystemExit(f"--device {device}: JAX already runs on {jax.default_backend()!r}; set "
+                     f"JAX_PLATFORMS before starting Python")
+
+
+def header(title: str) -> None:
+  dev = jax.devices()[0]
+  print(f"jaxrl_kernels {title}")
+  print(f"  device       {dev.platform}: {getattr(dev, 'device_kind', dev)}")
+  print(f"  jax          {jax.__version__}")
+
+
+def run_kernels(args) -> int:
+  select_device(args.device)
+  header("batch-invariance report")
+  return 0 if kernels_report(args) else 1
+
+
+def run_parity(args) -> int:
+  select_device(args.device, args.tp)
+  if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 1 or args.tp < 1:
+    raise SystemExit("parity: --batch, --prompt-len, --new-tokens and --tp must be >= 1")
+  header("on-policy parity report")
+  t0 = time.perf_counter()
+  ok = kernels_report(args)
+  ok &= parity_report(args)
+  print(f"({time.perf_counter() - t0:.1f}s)")
+  return 0 if ok else 1

@@ -1,0 +1,241 @@
+"""causal_attention on CPU (interpret mode): accuracy, decode = prefill and the other
+invariances (bitwise), gradients, transformations, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOL, assert_bitwise_equal, bits, rel_err
+
+from jaxrl_kernels.attention import BLOCK_Q, KEY_TILE, causal_attention
+
+IMPL = "interpret"
+
+
+def inputs(seed, b, t, s, hq, hkv, d, dtype, *, spread=10):
+  """q, k, v revealing any reordering: v rows scaled by 2**e, e in [-spread, spread]."""
+  k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(k1, (b, t, hq, d)) * 2.0 ** jax.random.uniform(k4, (b, t, hq, 1),
+                                                                        minval=-1, maxval=1)
+  k = jax.random.normal(k2, (b, s, hkv, d))
+  v = jax.random.normal(k3, (b, s, hkv, d))
+  v = v * 2.0 ** jax.random.randint(k5, (b, s, hkv, 1), -spread, spread + 1).astype(jnp.float32)
+  return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def reference(q, k, v, pos, kvl, scale, d_out=None):
+  """float64 numpy attention; with ``d_out`` also ``(dq, dk, dv)``."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, tq, hq, d = q.shape
+  s_len, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
+  kk = np.repeat(k, g, axis=2)
+  vv = np.repeat(v, g, axis=2)
+  vis = (np.arange(s_len)[None, None] <= np.asarray(pos)[:, :, None]) & (
+      np.arange(s_len)[None, None] < np.asarray(kvl)[:, None, None])  # [B, Tq, S]
+  sc = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+  sc = np.where(vis[:, None], sc, -np.inf)
+  mx = np.max(sc, axis=-1, keepdims=True)
+  mx = np.where(np.isfinite(mx), mx, 0.0)
+  e = np.where(vis[:, None], np.exp(sc - mx), 0.0)
+  den = e.sum(-1, keepdims=True)
+  p = e / np.where(den > 0, den, 1.0)
+  out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+  if d_out is None:
+    return out
+  do = np.asarray(d_out, np.float64)
+  dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+  dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+  ds = p * (dp - np.einsum("bqhd,bqhd->bhq", do, out)[..., None])
+  dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+  dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+  fold = lambda x: x.reshape(b, s_len, hkv, g, d).sum(3)  # noqa: E731
+  return out, (dq, fold(dk), fold(dv))
+
+
+def default_pos(b, tq, s):
+  return np.broadcast_to(s - tq + np.arange(tq), (b, tq)).astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype,d,hq,hkv", [
+    (jnp.float32, 16, 4, 2), (jnp.float32, 32, 2, 2), (jnp.bfloat16, 32, 4, 1),
+    (jnp.bfloat16, 16, 2, 2), (jnp.float16, 48, 2, 1),
+])
+def test_forward_matches_float64_reference(dtype, d, hq, hkv):
+  b, t = 3, 70
+  q, k, v = inputs(0, b, t, t, hq, hkv, d, dtype, spread=3)
+  pos = np.stack([np.arange(t), np.arange(t), np.r_[-np.ones(10), np.arange(t - 10)]]).astype(
+      np.int32)  # row 2: 10 padding queries, then a shifted sequence
+  kvl = np.array([t, 41, t], np.int32)
+  out = causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl, implementation=IMPL)
+  assert out.dtype == dtype and out.shape == q.shape
+  ref = reference(q, k, v, pos, kvl, 1 / np.sqrt(d))
+  assert rel_err(out, ref) <= TOL[jnp.dtype(dtype).name][0]
+  assert np.all(np.asarray(out[2, :10]) == 0)  # queries that see no key give exactly 0
+  ref_xla = causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl, implementation="xla")
+  assert rel_err(ref_xla, ref) <= TOL[jnp.dtype(dtype).name][0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_equals_prefill_bitwise(dtype):
+  """Prefill over T tokens; then each token alone against a longer cache with
+  garbage (NaN included) past it: same bits, whatever the batch's positions."""
+  b, t, s, hq, hkv, d = 3, 2 * KEY_TILE + 9, 2 * KEY_TILE + 40, 4, 2, 16
+  q, k, v = inputs(1, b, t, t, hq, hkv, d, dtype)
+  prefill = causal_attention(q, k, v, implementation=IMPL)
+  garbage = jnp.full((b, s - t, hkv, d), jnp.nan, dtype)
+  junk = jax.random.normal(jax.random.key(9), (b, s, hkv, d)).astype(dtype) * 1e3
+  for ps in ([0, 5, 63], [64, 63, 127], [t - 1, KEY_TILE, 100]):
+    p = np.array(ps, np.int32)
+    keep = jnp.arange(s)[None, :, None, None] <= p[:, None, None, None]
+    kc = jnp.where(keep, jnp.concatenate([k, garbage], 1), junk)
+    vc = jnp.where(keep, jnp.concatenate([v, garbage], 1), jnp.nan)
+    qd = q[np.arange(b), p][:, None]
+    dec = causal_attention(qd, kc, vc, q_positions=p[:, None], kv_lengths=p + 1,
+                           implementation=IMPL)
+    assert_bitwise_equal(dec[:, 0], prefill[np.arange(b), p], f"decode at {ps}")
+
+
+def test_decode_control_xla_changes_bits():
+  """The materialised baseline does not keep decode = prefill on the same inputs."""
+  b, t, hq, hkv, d = 2, 80, 4, 2, 32
+  q, k, v = inputs(1, b, t, t, hq, hkv, d, jnp.float32)
+  prefill = causal_attention(q, k, v, implementation="xla")
+  differ = 0
+  for p in (3, 40, 70, 79):
+    dec = causal_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], implementation="xla")
+    differ += int(np.sum(bits(dec) != bits(prefill[:, p:p + 1])))
+  assert differ > 0
+
+
+def test_batch_and_position_invariance_bitwise():
+  b, t, hq, hkv, d = 5, 75, 2, 1, 32
+  q, k, v = inputs(2, b, t, t, hq, hkv, d, jnp.float32)
+  # Rows of very different magnitudes share the batch.
+  row_scale = 2.0 ** jnp.array([-10.0, 0.0, 10.0, -4.0, 6.0])[:, None, None, None]
+  q, v = q * 2.0 ** jnp.array([-2.0, 0, 2, 1, -1])[:, None, None, None], v * row_scale
+  full = causal_attention(q, k, v, implementation=IMPL)
+  for r in (0, 2, 4):
+    alone = causal_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], implementation=IMPL)
+    assert_bitwise_equal(alone[0], full[r], f"row {r}")
+  perm = np.array([3, 4, 0, 1, 2])  # row 0 moved to position 2, ...
+  shuffled = causal_attention(q[perm], k[perm], v[perm], implementation=IMPL)
+  assert_bitwise_equal(shuffled, full[perm], "permuted rows")
+
+
+def test_padding_invariance_bitwise():
+  """Extra keys past the sequence (kv_lengths) and extra queries (position -1,
+  before and after) change nothing in the real rows."""
+  b, t, hq, hkv, d = 2, 50, 2, 2, 16
+  q, k, v = inputs(3, b, t, t, hq, hkv, d, jnp.bfloat16)
+  base = causal_attention(q, k, v, implementation=IMPL)
+  extra = 90
+  kp = jnp.concatenate([k, 100 * jnp.ones((b, extra, hkv, d), k.dtype)], 1)
+  vp = jnp.concatenate([v, jnp.full((b, extra, hkv, d), jnp.inf, v.dtype)], 1)
+  qp = jnp.concatenate([q[:, :7], q, q[:, :30]], 1)
+  pos = np.concatenate([-np.ones((b, 7)), default_pos(b, t, t), -np.ones((b, 30))], 1)
+  out = causal_attention(qp, kp, vp, q_positions=pos.astype(np.int32),
+                         kv_lengths=np.full((b,), t, np.int32), implementation=IMPL)
+  assert_bitwise_equal(out[:, 7:7 + t], base, "padded")
+  assert not np.any(bits(out[:, :7])) and not np.any(bits(out[:, 7 + t:]))  # +0 exactly
+
+
+def test_chunked_prefill_bitwise():
+  b, t, hq, hkv, d = 1, 2 * BLOCK_Q + 11, 2, 1, 16
+  q, k, v = inputs(4, b, t, t, hq, hkv, d, jnp.float32)
+  full = causal_attention(q, k, v, implementation=IMPL)
+  for cuts in ([0, 30, 75, t], [0, 1, t]):
+    parts = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+      # Each chunk against the cache filled so far (kv_lengths = hi, garbage after).
+      kc = jnp.where(jnp.arange(t)[None, :, None, None] < hi, k, jnp.nan)
+      parts.append(causal_attention(q[:, lo:hi], kc, v, q_positions=np.arange(lo, hi)[None],
+                                    kv_lengths=np.array([hi]), implementation=IMPL))
+    assert_bitwise_equal(jnp.concatenate(parts, 1), full, f"chunks {cuts}")
+
+
+def test_mode_and_run_to_run_bitwise():
+  q, k, v = inputs(5, 2, 40, 40, 2, 1, 16, jnp.bfloat16)
+  f = jax.jit(lambda q, k, v: causal_attention(q, k, v, implementation=IMPL))
+  plain = causal_attention(q, k, v, implementation=IMPL)
+  in_grad, _ = jax.vjp(f, q, k, v)
+  assert_bitwise_equal(in_grad, plain, "under vjp")
+  for _ in range(3):
+    assert_bitwise_equal(f(q, k, v), plain, "rerun")
+
+
+@pytest.mark.parametrize("dtype,hq,hkv", [(jnp.float32, 4, 2), (jnp.bfloat16, 2, 1)])
+def test_gradients_match_float64_reference(dtype, hq, hkv):
+  b, t, d = 2, 70, 16
+  q, k, v = inputs(6, b, t, t, hq, hkv, d, dtype, spread=2)
+  pos = np.stack([np.arange(t), np.r_[np.arange(t - 5), -np.ones(5)]]).astype(np.int32)
+  kvl = np.array([t, 60], np.int32)
+  d_out = jax.random.normal(jax.random.key(7), q.shape).astype(dtype)
+  f = lambda q, k, v: causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl,  # noqa: E731
+                                       scale=0.3, implementation=IMPL)
+  _, vjp = jax.vjp(f, q, k, v)
+  grads = vjp(d_out)
+  _, ref = reference(q, k, v, pos, kvl, 0.3, d_out)
+  tol = TOL[jnp.dtype(dtype).name][1]
+  for name, g, r, x in zip("qkv", grads, ref, (q, k, v)):
+    assert g.dtype == x.dtype and g.shape == x.shape
+    assert rel_err(g, r) <= tol, name
+  assert not np.any(np.asarray(grads[0][1, -5:], np.float32))  # padding queries: zero gradient
+  assert not np.any(np.asarray(grads[1][1, 60:], np.float32))  # keys past kv_lengths
+  assert not np.any(np.asarray(grads[2][1, 60:], np.float32))
+
+
+def test_jit_vmap_compose():
+  q, k, v = inputs(8, 2, 20, 20, 2, 1, 16, jnp.float32)
+  qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
+  f = lambda q, k, v: causal_attention(q, k, v, implementation=IMPL)  # noqa: E731
+  batched = jax.jit(jax.vmap(f))(qs, ks, vs)
+  for i in range(2):
+    assert_bitwise_equal(batched[i], f(qs[i], ks[i], vs[i]), f"vmap {i}")
+  loss = lambda q, k, v: jnp.sum(jax.vmap(f)(q, k, v) ** 2)  # noqa: E731
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qs, ks, vs)
+  g0 = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+  for a, c in zip(g, g0):
+    assert rel_err(a[0], c) <= 1e-6
+
+
+def test_empty_and_defaults():
+  q, k, v = inputs(9, 1, 3, 5, 2, 2, 16, jnp.float32)
+  out = causal_attention(q, k, v, implementation=IMPL)
+  ref = reference(q, k, v, default_pos(1, 3, 5), np.array([5]), 0.25)
+  assert rel_err(out, ref) <= 1e-5
+  assert causal_attention(q[:, :0], k, v, implementation=IMPL).shape == (1, 0, 2, 16)
+  assert not np.any(np.asarray(causal_attention(q, k[:, :0], v[:, :0], implementation=IMPL)))
+
+
+@pytest.mark.parametrize("kwargs,shapes,err,match", [
+    ({}, ((2, 3, 4), (2, 3, 2, 16), (2, 3, 2, 16)), ValueError, "q must be"),
+    ({}, ((2, 3, 4, 16), (2, 3, 3, 16), (2, 3, 3, 16)), ValueError, "multiple"),
+    ({}, ((2, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16)), ValueError, "batch"),
+    ({}, ((2, 3, 2, 16), (2, 3, 2, 32), (2, 3, 2, 32)), ValueError, "head dim"),
+    ({}, ((2, 3, 2, 16), (2, 3, 2, 16), (2, 4, 2, 16)), ValueError, "same shape"),
+    ({}, ((2, 3, 2, 24), (2, 3, 2, 24), (2, 3, 2, 24)), ValueError, "multiples of 16"),
+    ({}, ((2, 3, 2, 512), (2, 3, 2, 512), (2, 3, 2, 512)), ValueError, "multiples of 16"),
+    ({"q_positions": np.zeros((2, 4), np.int32)}, None, ValueError, "q_positions"),
+    ({"q_positions": np.zeros((2, 3), np.float32)}, None, TypeError, "q_positions"),
+    ({"kv_lengths": np.zeros((3,), np.int32)}, None, ValueError, "kv_lengths"),
+    ({"scale": float("nan")}, None, ValueError, "scale"),
+    ({"implementation": "mosaic"}, None, ValueError, "triton"),
+    ({"implementation": "cuda"}, None, ValueError, "not available"),
+])
+def test_bad_inputs(kwargs, shapes, err, match):
+  shapes = shapes or ((2, 3, 2, 16), (2, 3, 2, 16), (2, 3, 2, 16))
+  q, k, v = (jnp.zeros(s, jnp.float32) for s in shapes)
+  kwargs = {"implementation": IMPL, **kwargs}
+  with pytest.raises(err, match=match):
+    causal_attention(q, k, v, **kwargs)
+
+
+def test_bad_dtypes():
+  q = jnp.zeros((1, 2, 2, 16), jnp.bfloat16)
+  with pytest.raises(TypeError, match="one dtype"):
+    causal_attention(q, q.astype(jnp.float32), q, implementation=IMPL)
+  with pytest.raises(TypeError, match="must be one of"):
+    causal_attention(q.astype(jnp.int32), q, q, implementation=IMPL)
