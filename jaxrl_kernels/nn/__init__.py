@@ -1,5 +1,6 @@
 """Flax NNX modules: thin holders of parameters over the deterministic ops."""
 
+from jaxrl_kernels.nn import checkpoint as checkpoint
 from jaxrl_kernels.nn.linear import DetLinear as DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead as LMHead
 from jaxrl_kernels.nn.lm_head import head_logits as head_logits

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TOL, rel_err
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -378,6 +378,7 @@ def test_losses_invariant_to_device_split(d):
 
 @settings(max_examples=10, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.booleans())
+@example(21932780, 4, False)
 def test_ppo_property_random_masks(seed, b, token_level):
   rng = np.random.default_rng(seed)
   t = 7
@@ -388,4 +389,8 @@ def test_ppo_property_random_masks(seed, b, token_level):
   loss, _ = rl.ppo_clip_loss(logp, old, adv, mask, token_level=token_level)
   rloss = ref_ppo(logp, old, adv, mask, token_level=token_level)[0]
   assert np.isfinite(float(loss))
-  assert abs(float(loss) - rloss) <= FWD * max(abs(rloss), 1e-3)
+  # The loss is a mean of O(|adv|) terms that can cancel: float32 rounding scales with the
+  # terms, not with the (possibly tiny) result. CI once drew seed=21932780, b=4,
+  # token_level=False: |loss| 5.7e-4, float32 error 1.1e-8.
+  scale = max(abs(rloss), float(np.mean(np.abs(adv))), 1e-3)
+  assert abs(float(loss) - rloss) <= FWD * scale

@@ -1,0 +1,1 @@
+"""Demos run by the main command (``jaxrl-kernels grpo-demo``)."""
