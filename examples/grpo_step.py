@@ -4,7 +4,8 @@
 
 Each step: (1) a jitted sampler rolls out ``samples`` completions per prompt,
 reading the logits with ``model.head.logits`` and storing the sampled tokens'
-log-probs with ``model.head.logp_from_logits`` (the rollout "old" log-probs);
+log-probs from the fused head ``model.head(h, token)`` (the rollout "old"
+log-probs; ``jaxrl_kernels.nn.sample`` is the KV-cache sampler that does the same);
 (2) a toy verifiable reward (the fraction of completion tokens equal to
 ``--target-token``); (3) one jitted optimizer step on ``rl.grpo_loss`` (group
 advantages + PPO clip), whose training forward recomputes the log-probs with
@@ -49,7 +50,7 @@ def make_sampler(graphdef, prompt_len: int, completion_len: int):
       h_last = jax.lax.dynamic_index_in_dim(h, p - 1, axis=1, keepdims=False)  # [B, H]
       logits = model.head.logits(h_last)
       tok = jax.random.categorical(sub, logits).astype(jnp.int32)
-      lp = model.head.logp_from_logits(logits, tok)
+      lp = model.head(h_last, tok)  # the fused head: the trainer's own kernels
       tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, p, axis=1)
       logp = jax.lax.dynamic_update_index_in_dim(logp, lp, p - 1, axis=1)
       return tokens, logp, key
