@@ -14,6 +14,8 @@ Every step:
    recomputes those log-probs on the step's first micro-batch, at the
    micro-batch's batch size (not the sampler's). We log max |Δlogp|, the k3
    KL, and whether every ratio ``exp(logp - old_logp)`` is exactly 1.
+   The same comparison is also made inside the loss that ``jax.grad``
+   differentiates (columns ``*_jaxrl_grad``; see the docs for the CPU gap).
 3. **Update**: :class:`jaxrl_kernels.train.Trainer` with ``docs_per_step``
    (one document = one completion) and :func:`jaxrl_kernels.rl.grpo_loss`
    over micro-batches of whole groups, then one optax Adam step.
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 
 from jaxrl_kernels import rl
 from jaxrl_kernels.nn.sampler import sample
@@ -48,9 +51,10 @@ from jaxrl_kernels.train import Trainer
 PLUS, EQ, EOS = 10, 11, 12
 VOCAB = 16
 PROMPT_LEN = 4
-NEW_TOKENS = 3  # at most two digits and <eos>
+NEW_TOKENS = 3  # at most two digits and <eos>: the shortest completion that can be exact
 FIELDS = ("step", "reward", "exact", "max_dlogp_jaxrl", "kl_jaxrl", "ratio_exact_jaxrl",
-          "max_dlogp_xla", "kl_xla", "ratio_exact_xla", "loss", "seconds")
+          "max_dlogp_xla", "kl_xla", "ratio_exact_xla", "max_dlogp_jaxrl_grad",
+          "ratio_exact_jaxrl_grad", "loss", "seconds")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--micro-batch-groups", type=int, default=2,
                  help="groups per micro-batch (the trainer's batch size, in groups)")
   p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                 help=f"completion tokens sampled per prompt (>= {NEW_TOKENS})")
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--model", default="tiny", choices=["test", "tiny", "small"],
                  help="TinyLMConfig preset (the vocabulary is the task's 16 tokens)")
@@ -71,12 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   return p
 
 
-def make_prompts(rng: np.random.Generator, n: int):
-  """``n`` prompts ``[a, +, b, =]`` and their answers (digits of a + b, then <eos>)."""
+def make_prompts(rng: np.random.Generator, n: int, new_tokens: int = NEW_TOKENS):
+  """``n`` prompts ``[a, +, b, =]`` and their answers ``[n, new_tokens]`` (digits of
+  a + b, then <eos>, then -1)."""
   a = rng.integers(0, 10, n)
   b = rng.integers(0, 10, n)
   prompts = np.stack([a, np.full(n, PLUS), b, np.full(n, EQ)], axis=1).astype(np.int32)
-  answers = np.full((n, NEW_TOKENS), -1, np.int32)
+  answers = np.full((n, new_tokens), -1, np.int32)
   for i, s in enumerate(a + b):
     digits = [int(c) for c in str(int(s))] + [EOS]
     answers[i, :len(digits)] = digits
@@ -114,9 +121,9 @@ def _mismatch(train_logp, old_logp, mask):
   return float(np.max(np.abs(d))), kl, same
 
 
-def _rollout(model, prompts, key, temperature):
+def _rollout(model, prompts, key, temperature, new_tokens):
   res = sample(model, jnp.asarray(prompts), jnp.full((len(prompts),), PROMPT_LEN, jnp.int32),
-               max_new_tokens=NEW_TOKENS, key=key, temperature=temperature, eos_id=EOS)
+               max_new_tokens=new_tokens, key=key, temperature=temperature, eos_id=EOS)
   tokens = np.asarray(res.tokens)
   # Training layout: position j predicts token j + 1.
   mask = np.asarray(res.completion_mask)[:, 1:]
@@ -125,6 +132,9 @@ def _rollout(model, prompts, key, temperature):
 
 
 def run(args) -> list[dict]:
+  if args.new_tokens < NEW_TOKENS:
+    raise ValueError(f"grpo-demo: --new-tokens must be >= {NEW_TOKENS} (two digits and <eos>), "
+                     f"got {args.new_tokens}")
   preset = TinyLMConfig.preset(args.model)
   cfg = TinyLMConfig(**{**preset.__dict__, "vocab_size": VOCAB})
   model = TinyCausalLM(cfg, rngs=nnx.Rngs(args.seed))
@@ -144,10 +154,18 @@ def run(args) -> list[dict]:
                   temperature=args.temperature)
     loss, _ = rl.grpo_loss(logp, batch["old_logp"], batch["rewards"], g, batch["mask"],
                            token_level=False, denominator=num_documents)
-    return loss
+    # The log-probs the gradient is taken of, against the sampler's, on the first
+    # micro-batch only (the Trainer sums aux over micro-batches; the others add 0).
+    lp, old, mask = lax.stop_gradient(logp), batch["old_logp"], batch["mask"]
+    differ = mask & (lax.bitcast_convert_type(lp, jnp.uint32)
+                     != lax.bitcast_convert_type(old, jnp.uint32))
+    first = batch["first"]
+    aux = {"tokens_differ": jnp.where(first, jnp.sum(differ, dtype=jnp.int32), 0),
+           "max_dlogp": jnp.where(first, jnp.max(jnp.where(mask, jnp.abs(lp - old), 0.0)), 0.0)}
+    return loss, aux
 
   trainer = Trainer(loss_fn, optax.adam(args.lr), count_documents=lambda b: len(b["rewards"]),
-                    docs_per_step=args.docs_per_step or rows)
+                    docs_per_step=args.docs_per_step or rows, has_aux=True)
   state = trainer.init(params)
   train_logp = _jitted_logp(model, args.temperature)
   stock_logp = _jitted_logp(stock, args.temperature)
@@ -158,12 +176,12 @@ def run(args) -> list[dict]:
     t0 = time.perf_counter()
     nnx.update(model, nnx.merge_state(state.params, rest))
     nnx.update(stock, nnx.state(model))  # the stock path sees the same parameters
-    prompts, answers = make_prompts(rng, args.prompts_per_step)
+    prompts, answers = make_prompts(rng, args.prompts_per_step, args.new_tokens)
     prompts, answers = np.repeat(prompts, g, 0), np.repeat(answers, g, 0)
     key, k = jax.random.split(key)
     row = {"step": step}
     for name, m, recompute in (("jaxrl", model, train_logp), ("xla", stock, stock_logp)):
-      tokens, mask, old = _rollout(m, prompts, k, args.temperature)
+      tokens, mask, old = _rollout(m, prompts, k, args.temperature, args.new_tokens)
       # The trainer's first micro-batch, at its own batch size.
       mx = _mismatch(recompute(tokens[:mb_rows], mask[:mb_rows]), old[:mb_rows], mask[:mb_rows])
       row[f"max_dlogp_{name}"], row[f"kl_{name}"], row[f"ratio_exact_{name}"] = mx
@@ -173,15 +191,19 @@ def run(args) -> list[dict]:
     micro = ({"tokens": jnp.asarray(batch_tokens[i:i + mb_rows]),
               "mask": jnp.asarray(batch_mask[i:i + mb_rows]),
               "old_logp": jnp.asarray(batch_old[i:i + mb_rows]),
-              "rewards": jnp.asarray(reward[i:i + mb_rows])} for i in range(0, rows, mb_rows))
+              "rewards": jnp.asarray(reward[i:i + mb_rows]), "first": jnp.asarray(i == 0)}
+             for i in range(0, rows, mb_rows))
     state, metrics = trainer.step(state, micro)
+    row.update(max_dlogp_jaxrl_grad=float(metrics["aux"]["max_dlogp"]),
+               ratio_exact_jaxrl_grad=int(metrics["aux"]["tokens_differ"]) == 0)
     row.update(reward=float(reward.mean()), exact=float(exact.mean()),
                loss=float(metrics["loss"]), seconds=time.perf_counter() - t0)
     history.append(row)
     print(f"step {step:3d}  reward {row['reward']:.3f} (exact {row['exact']:.2f})  "
           f"jaxrl: max|dlogp| {row['max_dlogp_jaxrl']:.2e} ratio==1 "
           f"{'yes' if row['ratio_exact_jaxrl'] else 'NO'}  |  stock XLA: max|dlogp| "
-          f"{row['max_dlogp_xla']:.2e} kl {row['kl_xla']:.2e}  ({row['seconds']:.1f}s)",
+          f"{row['max_dlogp_xla']:.2e} kl {row['kl_xla']:.2e}  |  in grad: jaxrl max|dlogp| "
+          f"{row['max_dlogp_jaxrl_grad']:.2e}  ({row['seconds']:.1f}s)",
           flush=True)
   return history
 
@@ -209,9 +231,12 @@ def plot(history: list[dict], path: str) -> None:
   ax1.set_ylabel("reward")
   ax1.legend()
   floor = 1e-10
-  for name, label in (("xla", "stock XLA"), ("jaxrl", "jaxrl_kernels")):
+  for name, label, style in (("xla", "stock XLA", dict(marker="o")),
+                             ("jaxrl", "jaxrl_kernels", dict(marker="o")),
+                             ("jaxrl_grad", "jaxrl_kernels, inside jax.grad",
+                              dict(marker="x", ls=":"))):
     vals = [r[f"max_dlogp_{name}"] for r in history]
-    ax2.plot(steps, [max(v, floor) for v in vals], marker="o", label=label)
+    ax2.plot(steps, [max(v, floor) for v in vals], label=label, **style)
   ax2.axhline(floor, color="gray", lw=0.5)
   ax2.set_yscale("log")
   ax2.set_ylim(floor / 3, 1)
