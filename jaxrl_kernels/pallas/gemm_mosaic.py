@@ -81,8 +81,15 @@ def _transpose(ref):
   return ref.transpose((1, 0))
 
 
-def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
-            rhs_transposed: bool):
+def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
+            rhs_transposed: bool, in_place: bool = False):
+  # refs: (out,); (c, out) when accumulating into ``c`` (``out = c + a @ b``);
+  # (c,) with ``in_place``: ``c += a @ b`` through a mutable ref.
+  if in_place:
+    (c_gmem,) = refs
+    out_gmem = c_gmem
+  else:
+    c_gmem, out_gmem = refs if len(refs) == 2 else (None, refs[0])
   dtype = a_gmem.dtype
   out_dtype = out_gmem.dtype
   itemsize = jnp.dtype(dtype).itemsize
@@ -129,14 +136,16 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, cfg: MosaicConfig, lhs_transpo
 
   ignore = lambda *_, **__: None
 
-  @functools.partial(
-      pl.run_scoped,
+  scoped = dict(
       allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
       out_smem=plgpu.SMEM((cfg.num_compute_wgs, num_out_slots, epi_m, epi_n), out_dtype,
                           transforms=out_transforms),
-      collective_axes="wg",
   )
-  def _scope(allocs, out_smem):
+  if c_gmem is not None:
+    scoped["c_barriers"] = plgpu.Barrier(num_barriers=cfg.num_compute_wgs)
+
+  @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
+  def _scope(allocs, out_smem, c_barriers=None):
     wg = lax.axis_index("wg")
     minor = 0 if cfg.grid_minor == "m" else 1
 
@@ -156,20 +165,29 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, cfg: MosaicConfig, lhs_transpo
                                                             jnp.float32))
         def _acc_scope(acc_ref):
           run_pipeline(acc_ref)
-          acc = acc_ref[...].astype(out_dtype)
+          acc = acc_ref[...]
+          if c_gmem is None:
+            acc = acc.astype(out_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           n_epi = cfg.tile_n // epi_n
           for em in range(cfg.tile_m // epi_m):
             for en in range(n_epi):
               slot = (em * n_epi + en) % num_out_slots
+              window = lambda ref, em=em, en=en: (  # noqa: E731
+                  ref.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n]
+                  .at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)])
+              part = acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n]
               plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
-              out_smem[wg, slot] = acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n]
+              if c_gmem is not None:
+                # out = c + (a @ b): one float32 add per element after the
+                # complete K reduction (the bits of ``c + matmul(a, b)``).
+                plgpu.copy_gmem_to_smem(window(c_gmem), out_smem.at[wg, slot],
+                                        c_barriers.at[wg])
+                plgpu.barrier_wait(c_barriers.at[wg])
+                part = out_smem[wg, slot] + part
+              out_smem[wg, slot] = part
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg, slot],
-                  out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n]
-                  .at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)],
-              )
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], window(out_gmem))
 
       def mma(idxs, a_smem, b_smem, acc_ref):
         del idxs
@@ -229,8 +247,14 @@ def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed
 
 
 def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
-           out_dtype, config: MosaicConfig | None = None) -> jax.Array:
+           out_dtype, config: MosaicConfig | None = None,
+           acc: jax.Array | None = None) -> jax.Array:
   """``op(lhs) @ op(rhs)`` on Hopper; shapes as in ``gemm_triton.matmul``.
+
+  With ``acc`` (float32 ``[M, N]``, and ``out_dtype`` float32) the result is
+  ``acc + op(lhs) @ op(rhs)``, bitwise ``acc + matmul(lhs, rhs)``: the epilogue
+  adds the ``acc`` tile once to the finished float32 product, so a running sum
+  needs no separate product buffer or add pass.
 
   Rows the TMA tiling cannot take are zero-padded: a non-transposed lhs up to
   a multiple of 8 rows (and at least one CTA tile), and for a transposed lhs
@@ -255,14 +279,31 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                         rhs_transposed=rhs_transposed)
   if why is not None:
     raise ValueError(f"det_matmul(mosaic): unsupported shape: {why}")
+  if acc is not None and (acc.shape != (m, n) or acc.dtype != jnp.float32
+                          or jnp.dtype(out_dtype) != jnp.float32):
+    raise ValueError(f"det_matmul(mosaic): acc must be float32 {(m, n)} with a float32 output, "
+                     f"got {acc.dtype} {acc.shape} and out_dtype {jnp.dtype(out_dtype)}")
   m_run = m
   if not lhs_transposed:
     m_run = max(cfg.cta_tile_m, -(-m // 8) * 8)
     if m_run != m:
       lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0)))
+      if acc is not None:
+        acc = jnp.pad(acc, ((0, m_run - m), (0, 0)))
   num_sms = jax.devices()[0].core_count
   kernel = functools.partial(_kernel, m=m_run, n=n, k=k, cfg=cfg,
                              lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed)
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  if acc is not None and hasattr(jax, "new_ref"):
+    # In place through a mutable ref (jax >= 0.11): the kernel's output aliases
+    # ``acc``, so a running sum in a loop needs one [M, N] buffer, not two.
+    mesh = plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
+                      thread_name="wg")
+    acc_ref = jax.new_ref(acc)
+    pl.kernel(functools.partial(kernel, in_place=True), out_type=(), mesh=mesh,
+              compiler_params=params, name="det_matmul_acc")(lhs, rhs, acc_ref)
+    out = jax.freeze(acc_ref)
+    return out[:m] if m_run != m else out
   f = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
@@ -270,8 +311,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
       grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=params,
   )
-  out = f(lhs, rhs)
+  out = f(lhs, rhs) if acc is None else f(lhs, rhs, acc)
   return out[:m] if m_run != m else out

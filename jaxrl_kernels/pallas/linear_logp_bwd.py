@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -331,7 +332,10 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
   dW is run-to-run deterministic. ``db`` uses the Triton column-sum kernel.
   Memory per chunk: float32 ``z_c`` and ``dz_c`` in the compute dtype (``[T,
   chunk]`` each), the float32 ``[T, H]`` dH accumulator and a ``[dh_rows, H]``
-  product added into it; no ``[T, V]`` array. The weight chunk is sliced
+  product added into it; no ``[T, V]`` array. With ``gemm="mosaic"`` the
+  product is added in the dH GEMM's epilogue into dH in place (no product
+  buffer, no add pass; bitwise the same sums; ``JAXRL_KERNELS_LOGP_BWD_ACC=0``
+  turns it off) and ``dh_rows`` is unused. The weight chunk is sliced
   (copied) per step: ``chunk * H`` elements. Measured on an H100 at T=8192,
   H=4096, V=151936 (bf16), forward+backward against materialized XLA:
   chunk=4096 with dH in one product 0.76x (288 MiB of temporaries, 2.0% of
@@ -348,6 +352,14 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
   x = hidden.astype(compute_dtype)
   local_t = targets - vocab_offset
   mm = functools.partial(_gemm2d, implementation=gemm)
+  # Mosaic accumulates dH in the dH GEMM's epilogue (acc operand).
+  accumulate = gemm == "mosaic" and os.environ.get("JAXRL_KERNELS_LOGP_BWD_ACC", "1") != "0"
+  if accumulate:
+    from jaxrl_kernels.pallas import gemm_mosaic
+
+    def mosaic_acc(dz, w_c, dh):
+      return gemm_mosaic.matmul(dz, w_c, lhs_transposed=False, rhs_transposed=hv,
+                                out_dtype=jnp.float32, acc=dh)
   has_bias = bias is not None
   dbias = None
   if has_bias:
@@ -379,9 +391,13 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
     if temperature != 1.0:
       dz = dz / jnp.float32(temperature)
     dz = jnp.where(ok, dz, 0.0).astype(compute_dtype)
+    if accumulate:
+      # dH + dz_c W_c^T in the GEMM's epilogue, in place (gemm_mosaic.matmul's
+      # acc): bitwise the add below, with no product buffer and no add pass.
+      dh = mosaic_acc(dz, w_c, dh)
     # dH += dz_c W_c^T in token blocks: a [dh_rows, H] float32 product at a time,
     # not a second [T, H] one.
-    for r0 in range(0, t, dh_rows):
+    for r0 in range(0, 0 if accumulate else t, dh_rows):
       r1 = min(t, r0 + dh_rows)
       prod = mm(dz[r0:r1], w_c, lhs_transposed=False, rhs_transposed=hv, out_dtype=jnp.float32)
       # A dynamic_update_slice of the carry: updated in place (``.at[].add``
@@ -422,7 +438,7 @@ def gemm_backend(implementation: str, compute_dtype) -> str | None:
   from jaxrl_kernels import _backend
   if os.environ.get("JAXRL_KERNELS_LOGP_BWD", "") == "fused":
     return None
-  if (implementation == "triton" and _backend.is_hopper()
+  if (implementation in ("triton", "mosaic") and _backend.is_hopper()
       and jnp.dtype(compute_dtype).name in ("bfloat16", "float16")):
     return "mosaic"
   return None

@@ -108,6 +108,27 @@ def test_every_mosaic_config_gives_the_same_bits():
     assert np.array_equal(o, outs[0]), f"{c} changed bits vs {configs[0]}"
 
 
+@pytest.mark.skipif(not (jax.default_backend() == "gpu" and is_hopper()), reason="needs Hopper")
+@pytest.mark.parametrize("rhs_transposed", [False, True])
+@pytest.mark.parametrize("m", [700, 4096])
+def test_mosaic_epilogue_accumulation_is_bitwise_c_plus_product(rhs_transposed, m):
+  """matmul(acc=c) == c + matmul(): one float32 add after the full K reduction,
+  for both weight layouts and a ragged M (padded rows)."""
+  from jaxrl_kernels.pallas import gemm_mosaic as gm
+  k, n = 1024, 2048
+  a = wide_rows(jax.random.key(9), m, k, jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(10), (n, k) if rhs_transposed else (k, n))
+  b = b.astype(jnp.bfloat16)
+  c = wide_rows(jax.random.key(11), m, n, jnp.float32) * 4.0
+  kw = dict(lhs_transposed=False, rhs_transposed=rhs_transposed, out_dtype=jnp.float32)
+  fused = jax.jit(lambda a, b, c: gm.matmul(a, b, acc=c, **kw))(a, b, c)
+  split = jax.jit(lambda a, b, c: c + gm.matmul(a, b, **kw))(a, b, c)
+  assert_bitwise_equal(fused, split, "epilogue accumulation vs c + product")
+  assert not np.array_equal(bits(fused), bits(gm.matmul(a, b, **kw)))  # c was added
+  with pytest.raises(ValueError, match="acc must be float32"):
+    gm.matmul(a, b, acc=c.astype(jnp.bfloat16), **kw)
+
+
 @pytest.mark.parametrize("impl,dtype", CASES)
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_gradients(impl, dtype, transpose_b):

@@ -62,3 +62,40 @@ def test_vocab_shard_with_padding_columns():
   assert rel_err(dh, ref[0]) < TOL["float32"][1]
   assert rel_err(dw[:, :V], ref[1]) < TOL["float32"][1]
   assert np.all(np.asarray(dw[:, V:]) == 0) and np.all(np.asarray(db[V:]) == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_mosaic_epilogue_accumulation_keeps_the_gradients_bits(layout, monkeypatch):
+  """On Hopper dH accumulates in the dH GEMM's epilogue (two chunks per loop step);
+  the gradients are bitwise those of the product + add path."""
+  from jaxrl_kernels._backend import is_hopper
+  if not is_hopper():
+    pytest.skip("the Mosaic GEMMs need a Hopper GPU")
+  t, h, v = 300, 256, 4096 + 640  # 4 full 1024-column chunks, a 640-column tail
+  k = jax.random.split(jax.random.key(4), 6)
+  x = wide_rows(k[0], t, h, jnp.bfloat16, spread=3)
+  w = (jax.random.normal(k[1], (h, v), jnp.float32) * 0.3).astype(jnp.bfloat16)
+  w = w if layout == "hv" else w.T
+  b = jax.random.normal(k[2], (v,), jnp.float32)
+  tg = jax.random.randint(k[3], (t,), 0, v)
+  gl = jax.random.normal(k[4], (t,), jnp.float32)
+  ge = jax.random.normal(k[5], (t,), jnp.float32)
+  m, s, u, _ = merge.tile_partials(x, w, b, tg, weight_layout=layout, temperature=0.9,
+                                   compute_dtype="bfloat16", implementation="triton")
+  lse, mean_z, _ = merge.merge_partials(m, s, u, implementation="triton")
+  args = (x, w, b, tg, lse, mean_z, gl, ge)
+  # dh_rows=128: without the epilogue accumulation dH is added in 128-row blocks.
+  kw = dict(layout=layout, temperature=0.9, compute_dtype="bfloat16", gemm="mosaic",
+            chunk=1024, dh_rows=128)
+
+  def run(acc):
+    monkeypatch.setenv("JAXRL_KERNELS_LOGP_BWD_ACC", acc)
+    return jax.jit(lambda *a: linear_logp_bwd.backward_gemm(*a, **kw))(*args)
+
+  fused, split = run("1"), run("0")
+  for name, f, s_ in zip(("dh", "dw", "db"), fused, split):
+    assert_bitwise_equal(f, s_, f"{name}: epilogue accumulation vs product + add")
+  ref = linear_logp_bwd.backward(*args, layout=layout, temperature=0.9,
+                                 compute_dtype="bfloat16", interpret=False)
+  assert rel_err(fused[0], ref[0]) < TOL["bfloat16"][1]
