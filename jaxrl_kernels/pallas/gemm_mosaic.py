@@ -82,9 +82,13 @@ def _transpose(ref):
 
 
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
-            rhs_transposed: bool, in_place: bool = False):
-  # refs: (out,); (c, out) when accumulating into ``c`` (``out = c + a @ b``);
-  # (c,) with ``in_place``: ``c += a @ b`` through a mutable ref.
+            rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
+            n_col_ops: int = 0, epilogue=None):
+  # refs: [row operands], [column operands], then (out,); (c, out) when
+  # accumulating into ``c`` (``out = c + a @ b``); (c,) with ``in_place``:
+  # ``c += a @ b`` through a mutable ref.
+  row_ops, col_ops = refs[:n_row_ops], refs[n_row_ops:n_row_ops + n_col_ops]
+  refs = refs[n_row_ops + n_col_ops:]
   if in_place:
     (c_gmem,) = refs
     out_gmem = c_gmem
@@ -143,9 +147,15 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
   )
   if c_gmem is not None:
     scoped["c_barriers"] = plgpu.Barrier(num_barriers=cfg.num_compute_wgs)
+  if row_ops or col_ops:
+    scoped["vec_smem"] = (
+        tuple(plgpu.SMEM((cfg.num_compute_wgs, cfg.tile_m), r.dtype) for r in row_ops),
+        tuple(plgpu.SMEM((cfg.num_compute_wgs, cfg.tile_n), c.dtype) for c in col_ops))
+    scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=n_row_ops + n_col_ops,
+                                           num_barriers=cfg.num_compute_wgs)
 
   @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-  def _scope(allocs, out_smem, c_barriers=None):
+  def _scope(allocs, out_smem, c_barriers=None, vec_smem=None, vec_barriers=None):
     wg = lax.axis_index("wg")
     minor = 0 if cfg.grid_minor == "m" else 1
 
@@ -164,9 +174,22 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n),
                                                             jnp.float32))
         def _acc_scope(acc_ref):
+          # This warpgroup's rows and columns of the output.
+          row0 = mi * cta_m + (wg * cfg.tile_m if cfg.wg_split == "m" else 0)
+          col0 = ni * cta_n + (wg * cfg.tile_n if cfg.wg_split == "n" else 0)
+          if vec_smem is not None:
+            # Per-row / per-column epilogue operands, fetched during the mainloop.
+            for src, dst in zip(row_ops, vec_smem[0]):
+              plgpu.copy_gmem_to_smem(src.at[pl.ds(row0, cfg.tile_m)], dst.at[wg],
+                                      vec_barriers.at[wg])
+            for src, dst in zip(col_ops, vec_smem[1]):
+              plgpu.copy_gmem_to_smem(src.at[pl.ds(col0, cfg.tile_n)], dst.at[wg],
+                                      vec_barriers.at[wg])
           run_pipeline(acc_ref)
           acc = acc_ref[...]
-          if c_gmem is None:
+          if vec_smem is not None:
+            plgpu.barrier_wait(vec_barriers.at[wg])
+          if c_gmem is None and epilogue is None:
             acc = acc.astype(out_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           n_epi = cfg.tile_n // epi_n
@@ -178,6 +201,16 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
                   .at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)])
               part = acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n]
               plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
+              if epilogue is not None:
+                shape = (epi_m, epi_n)
+                rows = tuple(
+                    lax.broadcast_in_dim(r[wg, pl.ds(em * epi_m, epi_m)], shape, [0])
+                    for r in vec_smem[0]) if vec_smem is not None else ()
+                cols = tuple(
+                    lax.broadcast_in_dim(c[wg, pl.ds(en * epi_n, epi_n)], shape, [1])
+                    for c in vec_smem[1]) if vec_smem is not None else ()
+                col_ids = col0 + en * epi_n + lax.broadcasted_iota(jnp.int32, shape, 1)
+                part = epilogue(part, rows, cols, col_ids).astype(out_dtype)
               if c_gmem is not None:
                 # out = c + (a @ b): one float32 add per element after the
                 # complete K reduction (the bits of ``c + matmul(a, b)``).
@@ -248,13 +281,20 @@ def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed
 
 def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
            out_dtype, config: MosaicConfig | None = None,
-           acc: jax.Array | None = None) -> jax.Array:
+           acc: jax.Array | None = None, epilogue=None, row_operands=(),
+           col_operands=()) -> jax.Array:
   """``op(lhs) @ op(rhs)`` on Hopper; shapes as in ``gemm_triton.matmul``.
 
   With ``acc`` (float32 ``[M, N]``, and ``out_dtype`` float32) the result is
   ``acc + op(lhs) @ op(rhs)``, bitwise ``acc + matmul(lhs, rhs)``: the epilogue
   adds the ``acc`` tile once to the finished float32 product, so a running sum
   needs no separate product buffer or add pass.
+
+  With ``epilogue`` the stored tile is ``epilogue(z, rows, cols, col_ids)``
+  for the finished float32 product tile ``z`` ``[tm, tn]``: ``rows`` holds the
+  ``row_operands`` (each ``[M]``) and ``cols`` the ``col_operands`` (each
+  ``[N]``) broadcast to the tile, ``col_ids`` the int32 global column index.
+  Elementwise by contract: a row's outputs depend on its own row only.
 
   Rows the TMA tiling cannot take are zero-padded: a non-transposed lhs up to
   a multiple of 8 rows (and at least one CTA tile), and for a transposed lhs
@@ -290,9 +330,19 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
       lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0)))
       if acc is not None:
         acc = jnp.pad(acc, ((0, m_run - m), (0, 0)))
+      row_operands = tuple(jnp.pad(r, (0, m_run - m)) for r in row_operands)
   num_sms = jax.devices()[0].core_count
+  for r in row_operands:
+    if r.shape != (m_run,):
+      raise ValueError(f"det_matmul(mosaic): row operands must be [{m}], got {r.shape}")
+  for c in col_operands:
+    if c.shape != (n,):
+      raise ValueError(f"det_matmul(mosaic): column operands must be [{n}], got {c.shape}")
   kernel = functools.partial(_kernel, m=m_run, n=n, k=k, cfg=cfg,
-                             lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed)
+                             lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed,
+                             n_row_ops=len(row_operands), n_col_ops=len(col_operands),
+                             epilogue=epilogue)
+  vec = (*row_operands, *col_operands)
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   if acc is not None and hasattr(jax, "new_ref"):
     # In place through a mutable ref (jax >= 0.11): the kernel's output aliases
@@ -301,7 +351,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                       thread_name="wg")
     acc_ref = jax.new_ref(acc)
     pl.kernel(functools.partial(kernel, in_place=True), out_type=(), mesh=mesh,
-              compiler_params=params, name="det_matmul_acc")(lhs, rhs, acc_ref)
+              compiler_params=params, name="det_matmul_acc")(lhs, rhs, *vec, acc_ref)
     out = jax.freeze(acc_ref)
     return out[:m] if m_run != m else out
   f = plgpu.kernel(
@@ -313,5 +363,5 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
       thread_name="wg",
       compiler_params=params,
   )
-  out = f(lhs, rhs) if acc is None else f(lhs, rhs, acc)
+  out = f(lhs, rhs, *vec) if acc is None else f(lhs, rhs, *vec, acc)
   return out[:m] if m_run != m else out

@@ -353,9 +353,19 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
   local_t = targets - vocab_offset
   mm = functools.partial(_gemm2d, implementation=gemm)
   # Mosaic accumulates dH in the dH GEMM's epilogue (acc operand).
-  accumulate = gemm == "mosaic" and os.environ.get("JAXRL_KERNELS_LOGP_BWD_ACC", "1") != "0"
-  if accumulate:
+  def mosaic_runs(m, n, k, rhs_transposed):
+    from jaxrl_kernels.pallas import gemm_mosaic as gm
+    return gm.supported_shape(m, n, k, gm.default_config(m, n, k), lhs_transposed=False,
+                              rhs_transposed=rhs_transposed) is None
+
+  # Chunk widths: ``chunk`` and the tail; the fused epilogues need every
+  # product of every width on the Mosaic kernel (static shapes only).
+  widths = {min(chunk, v), v % min(chunk, v) or min(chunk, v)}
+  accumulate = (gemm == "mosaic" and os.environ.get("JAXRL_KERNELS_LOGP_BWD_ACC", "1") != "0"
+                and all(mosaic_runs(t, h, w_, hv) for w_ in widths))
+  if gemm == "mosaic":
     from jaxrl_kernels.pallas import gemm_mosaic
+  if accumulate:
 
     def mosaic_acc(dz, w_c, dh):
       return gemm_mosaic.matmul(dz, w_c, lhs_transposed=False, rhs_transposed=hv,
@@ -375,10 +385,41 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
                                                                             num_stages=2)}),
     )
 
+  # Mosaic computes dz in the logits GEMM's epilogue: z never leaves registers.
+  fuse_dz = (gemm == "mosaic" and os.environ.get("JAXRL_KERNELS_LOGP_BWD_DZ", "1") != "0"
+             and all(mosaic_runs(t, w_, h, not hv) for w_ in widths))
+
+  def dz_epilogue(z, rows, cols, col_ids):
+    """dz of one output tile from its float32 logits: the ops of the XLA form below."""
+    lse_r, mean_r, gl_r, ge_r, t_r = rows
+    z = z + cols[0] if has_bias else z
+    if temperature != 1.0:
+      z = z / jnp.float32(temperature)
+    ok = cols[-1] != 0
+    p = jnp.where(ok, jnp.exp(z - lse_r), 0.0)
+    onehot = (col_ids == t_r).astype(jnp.float32)
+    dz = gl_r * (onehot - p) - ge_r * (p * jnp.where(ok, z - mean_r, 0.0))
+    if temperature != 1.0:
+      dz = dz / jnp.float32(temperature)
+    return jnp.where(ok, dz, 0.0)
+
   def grads(c0, width, dh, dw, db):
     w_c = lax.dynamic_slice_in_dim(weight, c0, width, axis=1 if hv else 0).astype(compute_dtype)
-    z = mm(x, w_c, lhs_transposed=False, rhs_transposed=not hv, out_dtype=jnp.float32)
     cols = c0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    if fuse_dz:
+      col_ops = (lax.dynamic_slice_in_dim(bias, c0, width).astype(jnp.float32),) if has_bias \
+          else ()
+      col_ops += ((cols[0] < v_local).astype(jnp.int32),)
+      rows = (lse, mean_z, g_logp, g_ent, (local_t - c0).astype(jnp.int32))
+      dz = gemm_mosaic.matmul(x, w_c, lhs_transposed=False, rhs_transposed=not hv,
+                              out_dtype=compute_dtype, epilogue=dz_epilogue,
+                              row_operands=rows, col_operands=col_ops)
+    else:
+      dz = dz_xla(c0, width, w_c, cols)
+    return accumulate_grads(c0, width, w_c, dz, dh, dw, db)
+
+  def dz_xla(c0, width, w_c, cols):
+    z = mm(x, w_c, lhs_transposed=False, rhs_transposed=not hv, out_dtype=jnp.float32)
     if has_bias:
       z = z + lax.dynamic_slice_in_dim(bias, c0, width).astype(jnp.float32)[None, :]
     if temperature != 1.0:
@@ -390,7 +431,9 @@ def backward_gemm(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, 
                                                                          0.0))
     if temperature != 1.0:
       dz = dz / jnp.float32(temperature)
-    dz = jnp.where(ok, dz, 0.0).astype(compute_dtype)
+    return jnp.where(ok, dz, 0.0).astype(compute_dtype)
+
+  def accumulate_grads(c0, width, w_c, dz, dh, dw, db):
     if accumulate:
       # dH + dz_c W_c^T in the GEMM's epilogue, in place (gemm_mosaic.matmul's
       # acc): bitwise the add below, with no product buffer and no add pass.
