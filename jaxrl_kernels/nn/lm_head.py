@@ -188,7 +188,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
 
 
 def _partials_from_logits_kernel(z_ref, tg_ref, tz0_ref, m_ref, s_ref, u_ref, tz_ref, *, t, v,
-                                 n_t, n_v, block_t, group_t):
+                                 n_t, n_v, block_t, group_t, interpret):
   del tz0_ref  # aliased to tz_ref: rows whose target is not in this tile keep their 0
   i, j = _fwd.swizzle(pl.program_id(0), n_t, n_v, group_t)
   row0 = i * block_t
@@ -200,12 +200,9 @@ def _partials_from_logits_kernel(z_ref, tg_ref, tz0_ref, m_ref, s_ref, u_ref, tz
   z = pltriton.load(z_ref.at[pl.ds(row0, block_t), pl.ds(col0, VOCAB_TILE)],
                     mask=row_ok[:, None] & col_ok[None, :], other=0)
   z = jnp.where(col_ok[None, :], z, -jnp.inf)
-  # The per-tile statistics of linear_logp_fwd._partials_kernel, term for term
-  # (keep in sync; see docs/nn.md): the bits of (m, s, u) follow from them.
-  m = jnp.max(z, axis=1)
-  e = jnp.exp(z - m[:, None])
-  s = jnp.sum(e, axis=1)
-  u = jnp.sum(jnp.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+  # The per-tile statistics of linear_logp_fwd._partials_kernel (the same
+  # function): the bits of (m, s, u) follow from them.
+  m, s, u = _fwd.tile_stats(z, col_ok, interpret=interpret)
   pltriton.store(m_ref.at[j, pl.ds(row0, block_t)], m, mask=row_ok)
   pltriton.store(s_ref.at[j, pl.ds(row0, block_t)], s, mask=row_ok)
   pltriton.store(u_ref.at[j, pl.ds(row0, block_t)], u, mask=row_ok)
@@ -265,7 +262,7 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
   part = jax.ShapeDtypeStruct((n_v, t), jnp.float32)
   m, s, u, tz = pl.pallas_call(
       functools.partial(_partials_from_logits_kernel, t=t, v=v, n_t=n_t, n_v=n_v,
-                        block_t=cfg.block_t, group_t=cfg.group_t),
+                        block_t=cfg.block_t, group_t=cfg.group_t, interpret=interpret),
       grid=(n_t * n_v,),
       out_shape=(part, part, part, jax.ShapeDtypeStruct((t,), jnp.float32)),
       input_output_aliases={2: 3},

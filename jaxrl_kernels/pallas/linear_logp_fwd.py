@@ -137,7 +137,88 @@ def logits_tile(h_ref, w_ref, b_ref, row0, col0, *, t, h, v_local, block_t, layo
   return z, rows, cols, row_ok, col_ok
 
 
-def _partials_kernel(*refs, t, h, v_local, vocab_offset, n_t, n_v, has_bias, block_t,
+_LN2_HI = 0.693145751953125  # 12 significant bits: k * _LN2_HI is exact for |k| < 2^11
+_LN2_LO = 1.4286068203094172e-06  # ln 2 - _LN2_HI
+
+
+def exp_arith(x):
+  """float32 ``exp(x)`` from IEEE basic operations only (within 2 ulps; ``x <
+  -87.33`` gives 0, ``x > 88`` inf (the kernels only take ``x <= 0``), ``-inf``
+  0, NaN NaN).
+
+  For the interpreted kernels: XLA's compiled ``exp`` may differ in the last
+  bit between fusions (vectorized or not), these operations cannot.
+  ``x = k ln2 + r`` with ``k = round(x / ln2)`` (two-part ln2, exact
+  products), ``exp(r)`` by Horner on its Taylor series to degree 8 (``|r| <=
+  0.35``), then scaled by ``2^k`` through the exponent bits.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  xc = jnp.clip(x, -87.33, 88.0)
+  k = jnp.round(xc * jnp.float32(1.4426950408889634))
+  r = (xc - k * jnp.float32(_LN2_HI)) - k * jnp.float32(_LN2_LO)
+  p = jnp.float32(1.0 / 40320)
+  for c in (1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+    p = p * r + jnp.float32(c)
+  scale = lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
+  y = p * scale
+  y = jnp.where(x < -87.33, 0.0, jnp.where(x > 88.0, jnp.inf, y))
+  return jnp.where(jnp.isnan(x), x, y)
+
+
+def log_arith(x):
+  """float32 ``log(x)`` from IEEE basic operations only (within a few ulps;
+  0 gives -inf, negative or NaN gives NaN, subnormals are treated as 0).
+
+  ``x = 2^e f`` with ``f`` in [sqrt(1/2), sqrt(2)), ``log f = 2 atanh(y)``,
+  ``y = (f - 1) / (f + 1)``, as a fixed odd series to ``y^13``.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  e = (bits >> 23) - 127
+  f = lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F800000, jnp.float32)
+  big = f > jnp.float32(1.4142135)
+  f = jnp.where(big, f * jnp.float32(0.5), f)
+  e = jnp.where(big, e + 1, e)
+  y = (f - 1.0) / (f + 1.0)
+  y2 = y * y
+  p = jnp.float32(1.0 / 13)
+  for c in (1.0 / 11, 1.0 / 9, 1.0 / 7, 1.0 / 5, 1.0 / 3, 1.0):
+    p = p * y2 + jnp.float32(c)
+  ef = e.astype(jnp.float32)
+  r = (2.0 * y * p + ef * jnp.float32(_LN2_LO)) + ef * jnp.float32(_LN2_HI)
+  r = jnp.where(x == jnp.inf, jnp.inf, r)
+  return jnp.where(x >= jnp.float32(1.1754944e-38), r,
+                   jnp.where((x >= 0) & ~jnp.isnan(x), -jnp.inf, jnp.nan))
+
+
+def tile_stats(z, col_ok, *, interpret: bool):
+  """Per-row ``(m, s, u)`` of a float32 logits tile ``z [rows, VOCAB_TILE]``
+  (masked columns -inf, ``col_ok`` their mask): ``m = max z``, ``s = sum
+  exp(z - m)``, ``u = sum exp(z - m) (z - m)``. Shared by every kernel that
+  must produce the fused forward's bits (the from-logits path of nn.lm_head).
+
+  Compiled (Triton), the two sums are reductions in the kernel's register
+  layout. Interpreted, they are a fixed pairwise tree of elementwise adds
+  (halving the columns 7 times) and the exponential is :func:`exp_arith`: XLA
+  compiles an interpreted ``jnp.sum`` and ``jnp.exp`` to different code
+  depending on what else is live (dropping ``u``, as a forward-only call
+  without entropy does, changed the last bit of ``s`` on some rows against
+  the training call); IEEE basic operations round the same way in any fusion.
+  """
+  m = jnp.max(z, axis=1)  # exact in any order
+  e = (exp_arith if interpret else jnp.exp)(z - m[:, None])  # exp(-inf) = 0 on masked columns
+  d = jnp.where(col_ok[None, :], e * (z - m[:, None]), 0.0)
+  if not interpret:
+    return m, jnp.sum(e, axis=1), jnp.sum(d, axis=1)
+  width = z.shape[1]
+  while width > 1:
+    width //= 2
+    e = e[:, :width] + e[:, width:2 * width]
+    d = d[:, :width] + d[:, width:2 * width]
+  return m, e[:, 0], d[:, 0]
+
+
+def _partials_kernel(*refs, t, h, v_local, vocab_offset, n_t, n_v, has_bias, block_t, interpret,
                      group_t, **tile_kw):
   if has_bias:
     h_ref, w_ref, b_ref, tg_ref, _, m_ref, s_ref, u_ref, tz_ref = refs
@@ -149,10 +230,7 @@ def _partials_kernel(*refs, t, h, v_local, vocab_offset, n_t, n_v, has_bias, blo
   col0 = j * VOCAB_TILE
   z, rows, cols, row_ok, col_ok = logits_tile(h_ref, w_ref, b_ref, row0, col0, t=t, h=h,
                                               v_local=v_local, block_t=block_t, **tile_kw)
-  m = jnp.max(z, axis=1)
-  e = jnp.exp(z - m[:, None])  # exp(-inf) = 0 on masked columns
-  s = jnp.sum(e, axis=1)
-  u = jnp.sum(jnp.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+  m, s, u = tile_stats(z, col_ok, interpret=interpret)
   pltriton.store(m_ref.at[j, pl.ds(row0, block_t)], m, mask=row_ok)
   pltriton.store(s_ref.at[j, pl.ds(row0, block_t)], s, mask=row_ok)
   pltriton.store(u_ref.at[j, pl.ds(row0, block_t)], u, mask=row_ok)
@@ -197,6 +275,7 @@ def tile_partials(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
   has_bias = bias is not None
   kernel = functools.partial(
       _partials_kernel, t=t, h=h, v_local=v_local, vocab_offset=vocab_offset, n_t=n_t, n_v=n_v,
+      interpret=interpret,
       has_bias=has_bias, block_t=cfg.block_t, group_t=cfg.group_t, block_h=cfg.block_h,
       layout=layout, temperature=float(temperature), compute_dtype=jnp.dtype(compute_dtype),
       precision=dot_precision(compute_dtype, interpret))
@@ -215,7 +294,10 @@ def tile_partials(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
   return m, s, u, tz
 
 
-def _merge_kernel(m_ref, s_ref, u_ref, lse_ref, mean_ref, ent_ref, *, t, n, block):
+def _merge_kernel(m_ref, s_ref, u_ref, lse_ref, mean_ref, ent_ref, *, t, n, block,
+                  interpret=False):
+  # Interpreted: exp/log from basic operations (see tile_stats) so that the
+  # fold compiles to the same bits whichever of its outputs a caller uses.
   row0 = pl.program_id(0) * block
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block,), 0)
   ok = rows < t
@@ -225,20 +307,20 @@ def _merge_kernel(m_ref, s_ref, u_ref, lse_ref, mean_ref, ent_ref, *, t, n, bloc
     mt = pltriton.load(m_ref.at[k, pl.ds(row0, block)], mask=ok, other=0)
     st = pltriton.load(s_ref.at[k, pl.ds(row0, block)], mask=ok, other=0)
     ut = pltriton.load(u_ref.at[k, pl.ds(row0, block)], mask=ok, other=0)
-    return merge_step(m, s, u, mt, st, ut)
+    return merge_step(m, s, u, mt, st, ut, exp=exp_arith if interpret else jnp.exp)
 
   init = (jnp.full((block,), -jnp.inf, jnp.float32), jnp.zeros((block,), jnp.float32),
           jnp.zeros((block,), jnp.float32))
   # Ascending tile order: the contract that makes the merge reproducible.
   m, s, u = lax.fori_loop(0, n, body, init)
-  log_s = jnp.log(s)
+  log_s = (log_arith if interpret else jnp.log)(s)
   ratio = u / s
   pltriton.store(lse_ref.at[pl.ds(row0, block)], m + log_s, mask=ok)
   pltriton.store(mean_ref.at[pl.ds(row0, block)], m + ratio, mask=ok)
   pltriton.store(ent_ref.at[pl.ds(row0, block)], log_s - ratio, mask=ok)
 
 
-def merge_step(m, s, u, mt, st, ut):
+def merge_step(m, s, u, mt, st, ut, exp=jnp.exp):
   """Folds partial ``(mt, st, ut)`` into the running ``(m, s, u)``.
 
   With ``M = max(m, mt)``: ``s' = e^(m-M) s + e^(mt-M) st`` and
@@ -248,8 +330,8 @@ def merge_step(m, s, u, mt, st, ut):
   big = jnp.maximum(m, mt)
   da = m - big
   db = mt - big
-  a = jnp.exp(da)
-  b = jnp.exp(db)
+  a = exp(da)
+  b = exp(db)
   s2 = a * s + b * st
   u2 = a * (u + da * s) + b * (ut + db * st)
   take_tile = s == 0
@@ -275,7 +357,7 @@ def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array, *, interpret: bool,
   if not interpret:
     extra["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=2)
   return pl.pallas_call(
-      functools.partial(_merge_kernel, t=t, n=n, block=block),
+      functools.partial(_merge_kernel, t=t, n=n, block=block, interpret=interpret),
       grid=(pl.cdiv(t, block),),
       out_shape=(out, out, out),
       interpret=interpret,
