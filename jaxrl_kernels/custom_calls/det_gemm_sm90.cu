@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -123,6 +124,37 @@ ffi::Error CutlassError(const char* what, cutlass::Status status) {
                                                    cutlassGetStatusString(status));
 }
 
+struct WalkOrder {
+  int swizzle;
+  cutlass::gemm::kernel::detail::RasterOrderOptions raster;
+};
+
+// The persistent scheduler's walk over output tiles: groups of `swizzle` tile
+// rows (or columns) walked together so that concurrently running CTAs share
+// operand tiles in L2, along M or N. JAXRL_DET_GEMM_SWIZZLE (1, 2, 4, 8) and
+// JAXRL_DET_GEMM_RASTER (h = CUTLASS's heuristic, m, n) override the default,
+// for tuning (benchmarks/tune_gemm_cuda.py); read at every call.
+//
+// Default (measured on an H100, benchmarks/results/gemm_h100.md, session 3):
+// swizzle 8 from 32 tile rows (M >= 4096: M=8192, K=4096, N=14336 went from
+// 689 to 786 TFLOP/s), 2 from 8 tile rows, else 1; CUTLASS's raster heuristic.
+// At 8 tile rows swizzle 8 halved the speed.
+WalkOrder SchedulerKnobs(int64_t m, int64_t n) {
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  const int64_t tile_rows = (m + kTileM - 1) / kTileM;
+  WalkOrder w{tile_rows >= 32 ? 8 : (tile_rows >= 8 ? 2 : 1), Raster::Heuristic};
+  if (const char* s = std::getenv("JAXRL_DET_GEMM_SWIZZLE"); s != nullptr && *s != '\0') {
+    const int v = std::atoi(s);
+    if (v == 1 || v == 2 || v == 4 || v == 8) w.swizzle = v;
+  }
+  if (const char* r = std::getenv("JAXRL_DET_GEMM_RASTER"); r != nullptr) {
+    if (r[0] == 'm') w.raster = Raster::AlongM;
+    if (r[0] == 'n') w.raster = Raster::AlongN;
+  }
+  (void)n;
+  return w;
+}
+
 template <class Config>
 ffi::Error RunGemm(cudaStream_t stream, int m, int n, int k, const void* lhs, const void* rhs,
                    void* out) {
@@ -156,8 +188,13 @@ ffi::Error RunGemm(cudaStream_t stream, int m, int n, int k, const void* lhs, co
       {static_cast<const ElementA*>(lhs), stride_a, static_cast<const ElementB*>(rhs), stride_b},
       {{1.0f, 0.0f}, nullptr, stride_c, static_cast<ElementD*>(out), stride_d},
       hw_info};
-  // args.scheduler keeps CUTLASS's raster heuristic: the CTA walk order is a
-  // free knob (it changes which tile a CTA takes, never a tile's K order).
+  // The CTA walk order is a free knob: it changes which tile a CTA takes,
+  // never a tile's K order (so never a bit). See SchedulerKnobs.
+  {
+    const WalkOrder walk = SchedulerKnobs(m, n);
+    args.scheduler.max_swizzle_size = walk.swizzle;
+    args.scheduler.raster_order = walk.raster;
+  }
 
   Gemm gemm;
   if (cutlass::Status s = gemm.can_implement(args); s != cutlass::Status::kSuccess) {
