@@ -38,9 +38,8 @@ def test_demo_runs_and_jaxrl_is_exactly_on_policy(tmp_path, capsys):
     assert float(r["kl_jaxrl"]) == 0.0
     assert 0.0 <= float(r["reward"]) <= 1.0
     assert np.isfinite(float(r["max_dlogp_xla"])) and np.isfinite(float(r["loss"]))
-    # Inside jax.grad: exact on GPU (test below); on CPU at most an ulp apart (docs/nn.md).
-    assert r["ratio_exact_jaxrl_grad"] in ("True", "False")
-    assert 0.0 <= float(r["max_dlogp_jaxrl_grad"]) < 1e-5
+    # Inside jax.grad too (on CPU since the interpret-mode fix of docs/nn.md).
+    assert r["ratio_exact_jaxrl_grad"] == "True" and float(r["max_dlogp_jaxrl_grad"]) == 0.0
   png = (out / "grpo_demo.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n"
   assert "ratio was exactly 1" in capsys.readouterr().out
