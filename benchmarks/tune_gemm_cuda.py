@@ -1,10 +1,13 @@
-"""Sweep the CUDA FFI GEMM's CTA walk (scheduler swizzle and raster order) per shape.
+"""Sweep the CUDA FFI GEMM's free knobs per shape: the CUTLASS tile and the CTA walk.
 
-  PYTHONPATH=$PWD python benchmarks/tune_gemm_cuda.py [--shapes M,K,N;...]
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD \
+      python benchmarks/tune_gemm_cuda.py [--shapes M,K,N;...] [--sweep walk|tile]
 
-The walk is read from ``JAXRL_DET_GEMM_SWIZZLE`` / ``JAXRL_DET_GEMM_RASTER`` at
-every call (det_gemm_sm90.cu, ``SchedulerKnobs``), so one compiled program is
-re-timed under each setting. Every setting must give the same bits (the walk
+The knobs are read from ``JAXRL_DET_GEMM_TILE`` (large/small),
+``JAXRL_DET_GEMM_SWIZZLE`` and ``JAXRL_DET_GEMM_RASTER`` at every call
+(det_gemm_sm90.cu: ``UseSmallTile``, ``SchedulerKnobs``), so one compiled
+program is re-timed under each setting (command buffers off, or a captured
+graph would keep the first setting). Every setting must give the same bits (the walk
 never changes a tile's K order); the sweep checks that too. Prints a markdown
 table of TFLOP/s per setting against jnp.dot.
 """
@@ -22,18 +25,27 @@ from jaxrl_kernels import det_matmul
 
 SHAPES = [(1024, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336), (1024, 14336, 4096),
           (8192, 14336, 4096), (8192, 4096, 4096)]
-WALKS = [(s, r) for r in ("h", "m", "n") for s in (1, 2, 4, 8)]
+WALKS = [("", s, r) for r in ("h", "m", "n") for s in (1, 2, 4, 8)]
+TILE_SHAPES = [(64, 4096, 4096), (256, 4096, 4096), (256, 4096, 14336), (256, 14336, 4096),
+               (1024, 4096, 4096), (1024, 4096, 14336), (1024, 14336, 4096), (2048, 4096, 14336),
+               (4096, 4096, 14336), (8192, 4096, 14336)]
+# Each tile with the default walk ("" = unset: the rule in SchedulerKnobs).
+TILES = [("large", "", ""), ("small", "", ""), ("small", "1", "m"), ("small", "1", "n")]
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default=None, help="M,K,N;M,K,N")
+  p.add_argument("--sweep", default="walk", choices=["walk", "tile"])
   args = p.parse_args()
-  shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(","))
-                                           for s in args.shapes.split(";")]
+  configs = WALKS if args.sweep == "walk" else TILES
+  default = SHAPES if args.sweep == "walk" else TILE_SHAPES
+  shapes = default if not args.shapes else [tuple(int(x) for x in s.split(","))
+                                            for s in args.shapes.split(";")]
+  name = lambda c: f"{c[0]}s{c[1]}{c[2]}" if c[1] else f"{c[0] or 'auto'}"  # noqa: E731
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  print("| M | K | N | jnp.dot | " + " | ".join(f"s{s}{r}" for s, r in WALKS) + " | best |")
-  print("|" + "---|" * (len(WALKS) + 5))
+  print("| M | K | N | jnp.dot | auto | " + " | ".join(name(c) for c in configs) + " | best |")
+  print("|" + "---|" * (len(configs) + 6))
   for m, k, n in shapes:
     reps = copies_for(k * n * 2)
     bs = [jax.random.normal(jax.random.key(10 + i), (k, n), jnp.bfloat16) for i in range(reps)]
@@ -42,19 +54,20 @@ def main():
     dot = jax.jit(lambda a, bs: [jnp.dot(a, b) for b in bs])
     det = jax.jit(lambda a, bs: [det_matmul(a, b, implementation="cuda") for b in bs])
     base = flops / device_ms(dot, a, bs) / 1e9
+    auto = flops / device_ms(det, a, bs) / 1e9
     cells, digests = [], set()
-    for s, r in WALKS:
-      os.environ["JAXRL_DET_GEMM_SWIZZLE"] = str(s)
-      os.environ["JAXRL_DET_GEMM_RASTER"] = r
+    for c in configs:
+      for var, val in zip(("TILE", "SWIZZLE", "RASTER"), c):
+        os.environ[f"JAXRL_DET_GEMM_{var}"] = str(val)
       cells.append(flops / device_ms(det, a, bs) / 1e9)
       digests.add(hashlib.sha256(np.asarray(det(a, bs[:1])[0]).tobytes()).hexdigest())
-    os.environ.pop("JAXRL_DET_GEMM_SWIZZLE")
-    os.environ.pop("JAXRL_DET_GEMM_RASTER")
+    for var in ("TILE", "SWIZZLE", "RASTER"):
+      os.environ.pop(f"JAXRL_DET_GEMM_{var}")
     best = int(np.argmax(cells))
     same = "same bits" if len(digests) == 1 else f"{len(digests)} DIFFERENT bit patterns"
-    print(f"| {m} | {k} | {n} | {base:.1f} | " + " | ".join(f"{c:.1f}" for c in cells)
-          + f" | s{WALKS[best][0]}{WALKS[best][1]} {cells[best] / base:.2f}x ({same}) |",
-          flush=True)
+    print(f"| {m} | {k} | {n} | {base:.1f} | {auto:.1f} ({auto / base:.2f}x) | "
+          + " | ".join(f"{c:.1f}" for c in cells)
+          + f" | {name(configs[best])} {cells[best] / base:.2f}x ({same}) |", flush=True)
 
 
 if __name__ == "__main__":

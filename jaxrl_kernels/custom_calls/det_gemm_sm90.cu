@@ -50,14 +50,31 @@ using namespace cute;  // NOLINT: CuTe's shape literals (_128, _64, ...).
 // bf16/fp16, one 128B swizzle row, consumed as 4 ascending k16 wgmma steps) and
 // the fp32 accumulator. Never derived from the problem shape.
 constexpr int kTileK = 64;
-// Free knobs (do not touch a row's K order): the M/N tile and the cluster.
-// One configuration for every shape, so nothing here can depend on M either.
-constexpr int kTileM = 128;
-constexpr int kTileN = 256;
-using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
-using ClusterShape = Shape<_2, _1, _1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+// Free knobs (do not touch a row's K order): the M/N tile, the cluster and
+// the schedule. Two configurations; every output element is the same chain of
+// m64nNk16 wgmma steps over ascending K tiles in both, so they give the same
+// bits (tests/custom_calls: test_every_tile_gives_the_same_bits) and the
+// choice may depend on the shape, M included (TileFor).
+constexpr int kTileM = 128;  // the large tile's rows (the walk rule counts them)
+
+// Large: 128x256 per CTA, two consumer warpgroups cooperating on one tile,
+// 2x1 cluster (TMA multicast of the B tile).
+struct LargeTile {
+  using TileShape = Shape<Int<kTileM>, _256, Int<kTileK>>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+// Small: 64x128 per consumer warpgroup, two warpgroups ping-ponging on their
+// own tiles: 4x the tiles of LargeTile, for shapes whose large tiles leave
+// SMs idle (small M, or a last wave mostly empty).
+struct SmallTile {
+  using TileShape = Shape<_64, _128, Int<kTileK>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+};
 // ---------------------------------------------------------------------------
 
 // TMA needs 16-byte aligned base pointers and strides.
@@ -71,9 +88,13 @@ constexpr int AlignmentOf() {
 // One kernel: input element type, output element type and operand layouts.
 // CUTLASS's B operand is N x K: RowMajor B is our [K, N] rhs, ColumnMajor B is
 // our [N, K] rhs (rhs_transposed). ColumnMajor A is our [K, M] lhs.
-template <class ElementIn, class ElementOut, class LayoutA, class LayoutB>
+template <class ElementIn, class ElementOut, class LayoutA, class LayoutB, class Tile>
 struct DetGemm {
   using LayoutD = cutlass::layout::RowMajor;
+  using TileShape = typename Tile::TileShape;
+  using ClusterShape = typename Tile::ClusterShape;
+  using MainloopSchedule = typename Tile::MainloopSchedule;
+  using EpilogueSchedule = typename Tile::EpilogueSchedule;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -229,22 +250,50 @@ using ColumnMajor = cutlass::layout::ColumnMajor;
 
 // The layouts det_matmul uses: forward NN / NT, dA = dC B^T (NT or NN),
 // dB = A^T dC (TN). TT has no caller and is not instantiated.
+// Which tile runs (m, n): JAXRL_DET_GEMM_TILE=large|small overrides (tuning).
+// Default (measured on an H100, benchmarks/results/gemm_h100.md, session 3):
+// SmallTile when the large tiles would occupy fewer than half of the SMs. M=64,
+// 4096x4096: 53 -> 126 TFLOP/s; M=256, 4096x4096: 211 -> 514; M=256, K=14336,
+// N=4096: 230 -> 638. With 112 or more large tiles (M=256, N=14336; M=1024)
+// the large tile was faster.
+bool UseSmallTile(int64_t m, int64_t n, int sm_count) {
+  if (const char* t = std::getenv("JAXRL_DET_GEMM_TILE"); t != nullptr && *t != '\0') {
+    return t[0] == 's';
+  }
+  const int64_t tiles = ((m + kTileM - 1) / kTileM) * ((n + 255) / 256);
+  return tiles * 2 < sm_count;
+}
+
+template <class ElementIn, class ElementOut, class LayoutA, class LayoutB>
+ffi::Error RunTiled(cudaStream_t stream, int m, int n, int k, const void* lhs, const void* rhs,
+                    void* out) {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return CudaError("cudaGetDevice", err);
+  }
+  if (UseSmallTile(m, n, CachedSmCount(device))) {
+    return RunGemm<DetGemm<ElementIn, ElementOut, LayoutA, LayoutB, SmallTile>>(stream, m, n, k,
+                                                                                lhs, rhs, out);
+  }
+  return RunGemm<DetGemm<ElementIn, ElementOut, LayoutA, LayoutB, LargeTile>>(stream, m, n, k,
+                                                                              lhs, rhs, out);
+}
+
 template <class ElementIn, class ElementOut>
 ffi::Error DispatchLayout(cudaStream_t stream, bool lhs_t, bool rhs_t, int m, int n, int k,
                           const void* lhs, const void* rhs, void* out) {
   if (!lhs_t && !rhs_t) {
-    return RunGemm<DetGemm<ElementIn, ElementOut, RowMajor, RowMajor>>(stream, m, n, k, lhs, rhs,
-                                                                       out);
+    return RunTiled<ElementIn, ElementOut, RowMajor, RowMajor>(stream, m, n, k, lhs, rhs, out);
   }
   if (!lhs_t && rhs_t) {
-    return RunGemm<DetGemm<ElementIn, ElementOut, RowMajor, ColumnMajor>>(stream, m, n, k, lhs,
-                                                                          rhs, out);
+    return RunTiled<ElementIn, ElementOut, RowMajor, ColumnMajor>(stream, m, n, k, lhs, rhs,
+                                                                  out);
   }
   if (lhs_t && !rhs_t) {
     // dB = A^T dC is only ever asked for in the input dtype.
     if constexpr (std::is_same_v<ElementIn, ElementOut>) {
-      return RunGemm<DetGemm<ElementIn, ElementOut, ColumnMajor, RowMajor>>(stream, m, n, k, lhs,
-                                                                            rhs, out);
+      return RunTiled<ElementIn, ElementOut, ColumnMajor, RowMajor>(stream, m, n, k, lhs, rhs,
+                                                                    out);
     }
   }
   return ffi::Error(ffi::ErrorCode::kUnimplemented,

@@ -368,6 +368,27 @@ def test_same_bits_as_mosaic(transpose_b):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("lhs_t,rhs_t", LAYOUTS)
+def test_every_tile_gives_the_same_bits(lhs_t, rhs_t, monkeypatch):
+  """The large (128x256, cooperative) and small (64x128, ping-pong) CUTLASS tiles
+  and every CTA walk give the same bits: the choice between them is free, M included."""
+  a, b = _operands(jax.random.key(15), 704, 1536, 1024, "bfloat16", lhs_t, rhs_t, wide=True)
+  outs = {}
+  for tile, swizzle, raster in (("large", "1", "h"), ("small", "1", "h"), ("large", "8", "m"),
+                                ("small", "2", "n")):
+    monkeypatch.setenv("JAXRL_DET_GEMM_TILE", tile)
+    monkeypatch.setenv("JAXRL_DET_GEMM_SWIZZLE", swizzle)
+    monkeypatch.setenv("JAXRL_DET_GEMM_RASTER", raster)
+    # A fresh jit each time: the handler reads the knobs when it runs (or is captured).
+    f = jax.jit(lambda a, b: _mm(a, b, lhs_t, rhs_t))
+    outs[(tile, swizzle, raster)] = f(a, b)
+  first = next(iter(outs.values()))
+  for key, o in outs.items():
+    assert_bitwise_equal(o, first, f"tile/swizzle/raster {key} vs large/1/h")
+
+
+@pytest.mark.gpu
+@hopper
 def test_control_xla_dot_changes_bits_with_batch():
   """Control: the inputs above do reveal reordering; cuBLAS (jnp.dot) picks other
   kernels (split-K, GEMV) by M and changes a row's bits."""
