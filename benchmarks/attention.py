@@ -1,4 +1,4 @@
-"""causal_attention benchmark: the Triton kernels vs jax.nn.dot_product_attention.
+"""causal_attention benchmark: the Mosaic and Triton kernels vs jax.nn.dot_product_attention.
 
   PYTHONPATH=$PWD python benchmarks/attention.py [--quick] [--hkv N]
       [--out benchmarks/results/attention_<device>.md]
@@ -31,13 +31,14 @@ T = 4096
 HQ = 32
 D = 128
 DECODE_B = 32
-IMPLS = ("jaxrl_triton", "jnp_none", "jnp_xla", "jnp_cudnn")
+IMPLS = ("jaxrl_mosaic", "jaxrl_triton", "jnp_none", "jnp_xla", "jnp_cudnn")
 
 
 def _op(impl: str, causal: bool):
-  if impl == "jaxrl_triton":
+  if impl.startswith("jaxrl_"):
     from jaxrl_kernels.attention import causal_attention
-    return lambda q, k, v: causal_attention(q, k, v, implementation="triton")
+    name = impl.removeprefix("jaxrl_")
+    return lambda q, k, v: causal_attention(q, k, v, implementation=name)
   name = {"jnp_none": None, "jnp_xla": "xla", "jnp_cudnn": "cudnn"}[impl]
   return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                       implementation=name)
@@ -73,7 +74,7 @@ def _table(rows) -> str:
            "fwd+bwd vs best jnp |", "|---|---|---|---|---|---|---|---|---|"]
 
   def best(r, key):
-    vals = [o[key] for o in rows if o["impl"] != "jaxrl_triton" and key in o
+    vals = [o[key] for o in rows if not o["impl"].startswith("jaxrl_") and key in o
             and (o["case"], o["b"]) == (r["case"], r["b"])]
     return min(vals) if vals else None
 

@@ -1,17 +1,27 @@
 """``causal_attention``: grouped-query causal attention, bitwise decode = prefill.
 
-The kernels (``jaxrl_kernels/pallas/attention_triton.py``) walk fixed key tiles
-of ``KEY_TILE`` keys aligned to key 0, in ascending order, with a float32
-online softmax, in query blocks of a fixed ``BLOCK_Q`` rows (a decode step pads
-its one query to ``BLOCK_Q`` rows) and fixed Triton warps/stages. A key tile
-that a query row does not reach is skipped exactly for that row. So the output
-bits of query ``(b, i, h)`` at position ``p`` depend only on ``q[b, i, h]``,
-``k[b, :last + 1]``, ``v[b, :last + 1]`` (``last = min(p, kv_lengths[b] - 1)``),
-the dtype and ``scale``; not on ``B``, ``Tq``, ``S``, the other rows, the
-cache contents past ``last``, whether the query is computed one at a time
-against a KV cache (decode), in chunks, or with its whole sequence (prefill),
-nor on whether it runs under ``jax.grad``. ``implementation="xla"`` (the
-materialised baseline) has none of these guarantees.
+The kernels walk fixed key tiles aligned to key 0, in ascending order, with a
+float32 online softmax, in query blocks of a fixed number of rows (a decode
+step pads its one query to a full block), and one fixed instruction sequence
+per block. A key tile that a query row does not reach is skipped exactly for
+that row. So the output bits of query ``(b, i, h)`` at position ``p`` depend
+only on ``q[b, i, h]``, ``k[b, :last + 1]``, ``v[b, :last + 1]``
+(``last = min(p, kv_lengths[b] - 1)``), the dtype, ``D`` and ``scale``; not on
+``B``, ``Tq``, ``S``, the other rows, the cache contents past ``last``, whether
+the query is computed one at a time against a KV cache (decode), in chunks, or
+with its whole sequence (prefill), nor on whether it runs under ``jax.grad``.
+
+Implementations: ``"mosaic"`` (``pallas/attention_mosaic.py``: TMA + wgmma,
+Hopper, bf16/fp16, ``D`` in ``attention_mosaic.HEAD_DIMS``; the default there),
+``"triton"`` (``pallas/attention_triton.py``: any CUDA GPU, every dtype, ``D``
+a multiple of 16 up to 256), ``"interpret"`` (the Triton kernels on the CPU).
+The two GPU kernels have different constants (64 x 128 vs 64 x 64 tiles), so
+their bits differ from each other; each is invariant on its own. The default
+picks one by dtype and ``D`` only (static, the same for a model's decode and
+prefill), never by ``B``, ``Tq`` or ``S``. Gradients always use the Triton
+backward kernels, fed with the forward's own output and logsumexp.
+``implementation="xla"`` (the materialised baseline) has none of these
+guarantees.
 """
 
 from __future__ import annotations
@@ -27,35 +37,44 @@ import numpy as np
 
 from jaxrl_kernels import _backend
 from jaxrl_kernels.attention.reference import causal_attention_xla
-from jaxrl_kernels.pallas import attention_triton
+from jaxrl_kernels.pallas import attention_mosaic, attention_triton
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-# No Mosaic attention: on Hopper the default falls back to "triton", and
-# implementation="mosaic" is refused with the list of these.
-_SUPPORTED = ("triton", "interpret", "xla")
+_SUPPORTED = ("mosaic", "triton", "interpret", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
   scale: float
-  interpret: bool
+  impl: str  # "mosaic", "triton" or "interpret"
+
+  @property
+  def interpret(self) -> bool:
+    return self.impl == "interpret"
+
+
+def _forward(q, k, v, q_positions, kv_lengths, st):
+  """``(out, lse2)`` of the forward kernel of ``st.impl`` (one per implementation)."""
+  if st.impl == "mosaic":
+    return attention_mosaic.forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
+  return attention_triton.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
+                                  interpret=st.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, q_positions, kv_lengths, st):
-  return attention_triton.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
-                                  interpret=st.interpret)[0]
+  return _forward(q, k, v, q_positions, kv_lengths, st)[0]
 
 
 def _attention_fwd(q, k, v, q_positions, kv_lengths, st):
   # The very kernel of the primal: forward-only and training bits agree.
-  out, lse = attention_triton.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
-                                      interpret=st.interpret)
+  out, lse = _forward(q, k, v, q_positions, kv_lengths, st)
   return out, (q, k, v, q_positions, kv_lengths, out, lse)
 
 
 def _attention_bwd(st, res, d_out):
   q, k, v, q_positions, kv_lengths, out, lse = res
+  # The Mosaic forward writes the Triton forward's residual format (base-2 lse).
   dq, dk, dv = attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                          scale=st.scale, interpret=st.interpret)
   return dq, dk, dv, None, None
@@ -129,14 +148,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     kv_lengths: ``[B]`` int, default ``S``: keys at or past it are never read
       (a KV cache may hold garbage there, NaN included).
     scale: static float, default ``1 / sqrt(D)``.
-    implementation: ``"triton"`` (GPU; the default there, Hopper included),
-      ``"interpret"`` (the same kernels on CPU; the CPU default) or ``"xla"``
-      (materialised reference; not invariant, never the default). The kernels
-      support ``D`` a multiple of 16 up to 256.
+    implementation: ``"mosaic"`` (Hopper, bf16/fp16, ``D`` in {64, 128}; the
+      default there, other head dims and fp32 default to ``"triton"``),
+      ``"triton"`` (any CUDA GPU; ``D`` a multiple of 16 up to 256),
+      ``"interpret"`` (the Triton kernels on CPU; the CPU default) or ``"xla"``
+      (materialised reference; not invariant, never the default).
 
   Returns:
     ``[B, Tq, Hq, D]`` in q's dtype; bitwise decode/prefill-, batch-, padding-,
-    chunk- and mode-invariant for ``"triton"``/``"interpret"`` (module docstring).
+    chunk- and mode-invariant for ``"mosaic"``, ``"triton"`` and ``"interpret"``
+    (each on its own; module docstring).
 
   Gradients w.r.t. q, k, v (``jax.custom_vjp``, Pallas flash-attention backward
   kernels; deterministic run to run; dk/dv sum over the rows of a batch entry).
@@ -149,8 +170,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   q_positions = None if q_positions is None else jnp.asarray(q_positions)
   kv_lengths = None if kv_lengths is None else jnp.asarray(kv_lengths)
+  if implementation == "mosaic" and not _backend.is_hopper():
+    raise ValueError("causal_attention: implementation='mosaic' needs a Hopper GPU (sm_90); "
+                     "use implementation='triton' on other GPUs or 'interpret' on the CPU")
   impl = _backend.resolve("causal_attention", implementation, q.dtype, supported=_SUPPORTED)
   scale = _validate(q, k, v, q_positions, kv_lengths, scale, impl)
+  if impl == "mosaic":
+    why = attention_mosaic.supported(q.shape[3], q.dtype)
+    if why is not None:
+      if implementation == "mosaic":
+        raise ValueError(f"causal_attention: implementation='mosaic' does not support this "
+                         f"input: {why}; use implementation='triton'")
+      # The default routes by dtype and head dim only (static, equal for a model's
+      # decode and prefill), never by B, Tq or S.
+      impl = "triton"
   bsz, tq, _, _ = q.shape
   s_len = k.shape[1]
   if q_positions is None:
@@ -163,4 +196,4 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return causal_attention_xla(q, k, v, q_positions, kv_lengths, scale=scale)
   if q.size == 0 or s_len == 0:
     return jnp.zeros_like(q)
-  return _attention(q, k, v, q_positions, kv_lengths, _Static(scale, impl == "interpret"))
+  return _attention(q, k, v, q_positions, kv_lengths, _Static(scale, impl))

@@ -1,0 +1,297 @@
+"""Causal (grouped-query) attention forward for Hopper in Pallas Mosaic GPU, decode = prefill.
+
+Semantics, layouts and the returned base-2 logsumexp are those of
+``attention_triton.forward`` (so ``attention_triton.backward`` takes this
+kernel's ``out`` and ``lse`` as residuals): ``q [B, Tq, Hq, D]``,
+``k, v [B, S, Hkv, D]``; query ``i`` of row ``b`` at position ``p`` sees key
+``j`` iff ``j <= p`` and ``j < kv_lengths[b]``; ``last = min(p, kv_len - 1)``.
+
+Kernel (FlashAttention-3 style, warp-specialized): a CTA holds ``CTA_ROWS =
+2 * BLOCK_Q`` queries of one (row, query head); two compute warpgroups own
+``BLOCK_Q = 64`` rows each (the wgmma M), a third warpgroup issues TMA loads
+of K/V tiles of ``KEY_TILE`` keys into a ``STAGES``-deep ring of swizzled
+shared-memory buffers. Per tile, each compute warpgroup runs
+``S = Q K^T`` (wgmma, float32 accumulators in registers), the fp32 online
+softmax in base 2 (``s = log2(e) * scale * q . k``) on the accumulator layout,
+and ``acc = alpha acc + P V`` with ``P`` cast to the input dtype and kept in
+registers as the wgmma lhs:
+
+    m' = max(m, max_j s_j),  alpha = 2^(m - m'),  p_j = 2^(s_j - m'),
+    l' = alpha l + sum_j p_j,  acc' = alpha acc + p @ v_tile,  out = acc / l.
+
+The two warpgroups ping-pong through a schedule barrier so that one's softmax
+overlaps the other's wgmma. Query blocks are scheduled heaviest first (causal
+work grows with the block index).
+
+The invariance contract (the same argument as ``attention_triton``):
+``BLOCK_Q``, ``KEY_TILE`` and the instruction sequence per warpgroup are fixed
+for every call of a dtype and head dim. Key tiles ``[t * KEY_TILE, (t + 1) *
+KEY_TILE)`` are walked in ascending order from key 0 up to the tile holding the
+CTA's largest ``last`` (a per-CTA tile count computed in XLA from the int32
+``last`` of its rows). Every tile goes through one code path (the visibility
+mask is always applied; there is no unmasked fast path whose code could
+contract differently). A row that sees no key of a tile keeps ``(m, l, acc)``
+through selects, so tiles walked for other rows never touch its bits. A decode
+step (``Tq = 1``) is padded to ``CTA_ROWS`` query rows at position -1, so it
+runs the very instructions of a prefill block. A row's bits depend only on
+``q[b, i, h]``, ``k/v[b, :last + 1, h // group]``, the dtype and ``scale``.
+
+Garbage past ``kv_len`` (a KV cache may hold NaN there): K rows past ``last``
+only reach scores that the mask replaces by ``-inf`` with a select. V rows are
+multiplied by ``p = 0`` inside the wgmma, and ``0 * NaN = NaN``, so the tile
+that holds ``kv_len`` is cleaned in shared memory before the P @ V wgmma: each
+compute warpgroup loads that V tile, selects 0 for rows at or past ``kv_len``,
+stores it back and fences (both warpgroups write the same values, and only
+after the producer's TMA completed; the producer refills the slot only after
+both released it). Rows past ``S`` are zero-filled by TMA. V rows in
+``(last, kv_len)`` are real (finite) cache entries and add ``0 * v = 0``.
+
+Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS`` (the smem ring of 2 stages of
+128-key K and V tiles and two register accumulators must fit); other cases
+run the Triton kernel (``supported``). Mosaic kernels only run on jax >= 0.11
+on sm_90; the module imports on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Part of the numerical contract: query rows per compute warpgroup (the wgmma
+# M), and the key tile walked in ascending order from key 0. A decode step
+# pads its one query to CTA_ROWS rows so that it runs a prefill block's code.
+BLOCK_Q = 64
+KEY_TILE = 128
+NUM_COMPUTE_WGS = 2
+CTA_ROWS = NUM_COMPUTE_WGS * BLOCK_Q
+# Free knob (does not change any bits): depth of the K/V shared-memory ring.
+STAGES = 2
+
+HEAD_DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+LOG2E = math.log2(math.e)
+
+
+def supported(d: int, dtype) -> str | None:
+  """None when the Mosaic kernel runs this head dim and dtype, else why not."""
+  if jnp.dtype(dtype).name not in DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} is not one of {DTYPES}"
+  if d not in HEAD_DIMS:
+    return f"head dim {d} is not one of {HEAD_DIMS}"
+  return None
+
+
+def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref, smem, loaded,
+            consumed, schedule, *, n_qblocks, group, d, scale2):
+  qo_smem2, k_smem, v_smem, last_smem2, lse_smem2 = smem
+  k_loaded, v_loaded, q_loaded, last_loaded = loaded
+  k_free, v_free = consumed
+  dtype = q_ref.dtype
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  # Heaviest (highest) query blocks first: causal work grows with the index.
+  qb = n_qblocks - 1 - lax.axis_index("q_seq")
+  wg = lax.axis_index("wg")
+  n_tiles = ntiles_ref[b, qb]  # tiles up to the one holding the CTA's largest `last`
+  kv_len = kvlen_ref[b]
+
+  def schedule_sync():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < NUM_COMPUTE_WGS)
+  def _compute_wg():
+    plgpu.set_max_registers(232, action="increase")
+    qo_smem, last_smem, lse_smem = qo_smem2.at[wg], last_smem2.at[wg], lse_smem2.at[wg]
+    row0 = qb * CTA_ROWS + wg * BLOCK_Q
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_Q), h], qo_smem, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(last_ref.at[b, pl.ds(row0, BLOCK_Q)], last_smem,
+                            last_loaded.at[wg])
+    plgpu.barrier_wait(last_loaded.at[wg])
+    plgpu.barrier_wait(q_loaded.at[wg])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    last = plgpu.load(last_smem, layout=row_layout)  # int32 [BLOCK_Q], -1: sees nothing
+    m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
+    den = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(n_tiles > 0)
+    def _():
+      plgpu.barrier_wait(k_loaded.at[0])
+
+    pl.when(wg == 1)(schedule_sync)
+
+    def tile(t, carry):
+      acc, m, den = carry
+      slot = lax.rem(t, jnp.int32(STAGES))
+      key0 = t * KEY_TILE
+      clean = key0 + KEY_TILE <= kv_len
+
+      @pl.when(key0 + KEY_TILE > kv_len)
+      def _zero_v_tail():
+        # The tile holding kv_len: V rows at or past it may be garbage (NaN),
+        # and the wgmma would compute 0 * NaN. Select them to 0 in place.
+        plgpu.barrier_wait(v_loaded.at[slot])
+        v_tile = v_smem.at[slot][...]
+        rows = plgpu.broadcasted_iota(jnp.int32, (KEY_TILE, d), 0, layout=plgpu.Layout.WGMMA)
+        v_smem.at[slot][...] = jnp.where(rows < kv_len - key0, v_tile, jnp.zeros_like(v_tile))
+        plgpu.commit_smem()
+
+      def qk_scope(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        schedule_sync()
+        return acc_ref[...]
+
+      qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, KEY_TILE), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+
+      # One code path for every tile: the mask is always applied (a select).
+      shape = (BLOCK_Q, KEY_TILE)
+      cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+      visible = cols <= lax.broadcast_in_dim(last - key0, shape, [0])
+      s = jnp.where(visible, qk * scale2, -jnp.inf)
+      active = last >= key0  # the row sees at least one key of this tile
+      m_new = jnp.maximum(m, s.max(axis=1))
+      m_use = jnp.where(active, m_new, 0.0)  # no (-inf) - (-inf) in rows that see nothing
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, shape, [0]))
+      den_new = alpha * den + p.sum(axis=1)
+      p_in = p.astype(dtype)
+      acc_scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      plgpu.barrier_arrive(schedule)  # softmax done
+
+      @pl.when(clean)
+      def _():
+        plgpu.barrier_wait(v_loaded.at[slot])
+
+      plgpu.barrier_wait(schedule)  # the tensor cores are free
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+        nxt = t + 1
+
+        @pl.when(nxt < n_tiles)
+        def _():
+          plgpu.barrier_wait(k_loaded.at[lax.rem(nxt, jnp.int32(STAGES))])
+
+      acc_new = pl.run_state(pv)(plgpu.ACC.init(acc_scaled))
+      plgpu.barrier_arrive(v_free.at[slot])
+      # Rows that see nothing here keep their state: the tile is skipped exactly.
+      keep = lax.broadcast_in_dim(last, acc.shape, [0]) >= key0
+      return (jnp.where(keep, acc_new, acc), jnp.where(active, m_new, m),
+              jnp.where(active, den_new, den))
+
+    # Ascending key tiles from key 0: the reduction order of the contract.
+    acc, m, den = lax.fori_loop(0, n_tiles, tile, (acc, m, den))
+    pl.when(wg == 0)(schedule_sync)
+
+    den_b = lax.broadcast_in_dim(den, acc.shape, [0])
+    seen_b = den_b > 0
+    out = acc / jnp.where(seen_b, den_b, 1.0)
+    # A row that sees no key gives 0; zeros are written as +0.
+    out = jnp.where(seen_b & (out != 0), out, 0.0)
+    qo_smem[...] = out.astype(dtype)
+    seen = den > 0
+    lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, den, 1.0)), 0.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(row0, BLOCK_Q), h])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_COMPUTE_WGS)
+  def _memory_wg():
+    plgpu.set_max_registers(40, action="decrease")
+    hk = lax.div(h, jnp.int32(group))
+
+    # Fill the ring. A loop, not a Python unroll: tile starts stay traced values,
+    # so a tile that reaches past S is a TMA zero-fill at run time rather than a
+    # static out-of-bounds slice at trace time.
+    @pl.loop(0, jnp.minimum(n_tiles, STAGES))
+    def _(t):
+      window = (b, pl.ds(t * KEY_TILE, KEY_TILE), hk)
+      plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[t], k_loaded.at[t])
+      plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[t], v_loaded.at[t])
+
+    @pl.loop(0, jnp.maximum(n_tiles - STAGES, 0))
+    def _(step):
+      slot = lax.rem(step, jnp.int32(STAGES))
+      window = (b, pl.ds((step + STAGES) * KEY_TILE, KEY_TILE), hk)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
+
+
+def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
+  """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
+
+  Exactly the contract and residual format of ``attention_triton.forward``:
+  ``lse2 = max_j s_j + log2 sum_j 2^(s_j - max)`` with
+  ``s = log2(e) * scale * q . k`` over visible keys (0 for a row that sees none).
+  ``q_positions [B, Tq]`` and ``kv_lengths [B]`` are int32.
+  """
+  bsz, tq, hq, d = q.shape
+  s_len, hkv = k.shape[1], k.shape[2]
+  why = supported(d, q.dtype)
+  if why is not None:
+    raise ValueError(f"causal_attention(mosaic): {why}; use implementation='triton'")
+  n_qblocks = pl.cdiv(tq, CTA_ROWS)
+  tq_pad = n_qblocks * CTA_ROWS
+  kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
+  last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
+  if tq_pad != tq:
+    # Padding queries (position -1) fill the CTA: a decode step runs a full block.
+    q = jnp.pad(q, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
+    last = jnp.pad(last, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
+  s_pad = max(KEY_TILE, -(-s_len // 8) * 8)
+  if s_pad != s_len:
+    # Mosaic's TMA tiling needs S a multiple of 8 rows and at least one whole
+    # box of keys. By the static S only; the zero rows are past kv_len.
+    pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  # Per-CTA loop bound from the int32 `last` of its rows (no float data involved).
+  n_tiles = (jnp.max(last.reshape(bsz, n_qblocks, CTA_ROWS), axis=2) + KEY_TILE) // KEY_TILE
+
+  smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
+    scratch = (
+        plgpu.SMEM((NUM_COMPUTE_WGS, BLOCK_Q, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((NUM_COMPUTE_WGS, BLOCK_Q), jnp.int32),
+        plgpu.SMEM((NUM_COMPUTE_WGS, BLOCK_Q), jnp.float32),
+    )
+    loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+              plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+              plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS))
+    consumed = (plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=STAGES),) * 2
+    schedule = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS)
+    kernel = functools.partial(_kernel, n_qblocks=n_qblocks, group=hq // hkv, d=d,
+                               scale2=scale * LOG2E)
+    pl.run_scoped(
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref,
+                               lse_ref, *scoped),
+        scratch, loaded, consumed, schedule, collective_axes="wg")
+
+  out, lse = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((bsz, tq_pad, hq, d), q.dtype),
+                jax.ShapeDtypeStruct((bsz, hq, tq_pad), jnp.float32)),
+      grid=(hq, n_qblocks, bsz),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="causal_attention_fwd_mosaic",
+  )(q, k, v, last, n_tiles.astype(jnp.int32), kv_len)
+  if tq_pad != tq:
+    out, lse = out[:, :tq], lse[:, :, :tq]
+  return out, lse
