@@ -1,7 +1,8 @@
 """linear_logp benchmark: the fused kernels vs materialized and token-chunked XLA.
 
-  PYTHONPATH=$PWD python benchmarks/linear_logp.py [--quick] [--impls triton,xla,chunked]
-      [--out benchmarks/results/linear_logp_<device>.md] [--no-isolate]
+  PYTHONPATH=$PWD python benchmarks/linear_logp.py [--quick] [--impls mosaic,triton,xla,chunked]
+      [--shapes 8192x151936,4096x32000] [--out benchmarks/results/linear_logp_<device>.md]
+      [--no-isolate]
 
 bf16, H = 4096, T in {4096, 8192, 16384}, V in {32000, 128256, 151936} (``--quick``:
 (4096, 32000) and the issue's target shape (8192, 151936)). For each shape and
@@ -12,7 +13,9 @@ above what was in use before the call (``memory_stats()["peak_bytes_in_use"]``;
 each (shape, implementation) runs in its own process so the peak is its own).
 Ratios are against the materialized XLA path measured in the same run.
 
-Implementations: ``triton`` (the fused kernels), ``xla`` (``h @ W``,
+Implementations: ``mosaic`` (the Hopper forward: TMA + wgmma logits tiles with the
+partials epilogue; Mosaic GEMM backward), ``triton`` (the fused Triton kernels;
+its backward also runs the Mosaic GEMMs on Hopper bf16), ``xla`` (``h @ W``,
 ``log_softmax``, gather, entropy: ``[T, V]`` float32 logits), ``chunked``
 (the same XLA math under ``jax.checkpoint`` in a ``lax.map`` over 1024-token
 chunks).
@@ -128,7 +131,9 @@ def _table(rows, impls) -> str:
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--quick", action="store_true", help="reduced shape set")
-  p.add_argument("--impls", default="triton,chunked,xla")
+  p.add_argument("--impls", default="mosaic,triton,chunked,xla")
+  p.add_argument("--shapes", default=None,
+                 help="comma-separated TxV shapes (overrides --quick), e.g. 8192x151936")
   p.add_argument("--out", default=None, help="also write the markdown table here")
   p.add_argument("--no-isolate", action="store_true",
                  help="measure in this process (peak memory then only grows)")
@@ -140,6 +145,8 @@ def main():
     return
   impls = args.impls.split(",")
   shapes = QUICK if args.quick else [(t, v) for t in TS for v in VS]
+  if args.shapes:
+    shapes = [tuple(int(d) for d in sv.split("x")) for sv in args.shapes.split(",")]
   rows = []
   for t, v in shapes:
     for impl in impls:

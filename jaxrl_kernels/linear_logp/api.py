@@ -18,8 +18,19 @@ from jaxrl_kernels.linear_logp.reference import linear_logp_xla
 from jaxrl_kernels.pallas import linear_logp_bwd
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-# No Mosaic kernel for this op: on Hopper the default falls back to "triton".
-_SUPPORTED = ("triton", "interpret", "xla")
+# "mosaic": the Hopper forward (pallas/linear_logp_mosaic.py) for bf16/fp16 products, the
+# default there (implementation=None); fp32 products always run on Triton (3xTF32).
+_SUPPORTED = ("mosaic", "triton", "interpret", "xla")
+_DEFAULT_CANDIDATES = ("mosaic", "triton", "interpret", "xla")
+
+
+def supported_for(implementation: str | None, supported=_SUPPORTED) -> tuple[str, ...]:
+  """What ``_backend.resolve`` may pick: every name when one is asked for, the
+  default candidates for ``implementation=None`` (a switch kept for bring-up:
+  a new kernel can be opt-in by leaving it out of ``_DEFAULT_CANDIDATES``)."""
+  if implementation is None:
+    return tuple(i for i in supported if i in _DEFAULT_CANDIDATES)
+  return supported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +196,11 @@ def linear_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
     fp32_head: compute the projection from float32-upcast hidden and weight
       tiles (hidden and weight may then differ in dtype); gradients keep the
       parameters' dtypes.
-    implementation: ``"triton"`` (GPU), ``"interpret"`` (CPU default) or
-      ``"xla"`` (materialized reference; not invariant), or None.
+    implementation: ``"mosaic"`` (Hopper, bf16/fp16 products: TMA + wgmma
+      forward, Mosaic GEMM backward; the default there), ``"triton"`` (other
+      GPUs, fp32 heads), ``"interpret"`` (CPU default) or
+      ``"xla"`` (materialized reference; not invariant), or None. Each
+      implementation has its own bits; the invariances hold within one.
 
   Returns:
     float32 ``logp`` of shape ``targets.shape``, or ``(logp, entropy)``.
@@ -208,7 +222,8 @@ def linear_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
   v, temperature = _validate(hidden, weight, targets, bias, mask, temperature, weight_layout,
                              fp32_head, return_entropy)
   compute_dtype = jnp.float32 if fp32_head else hidden.dtype
-  impl = _backend.resolve("linear_logp", implementation, compute_dtype, supported=_SUPPORTED)
+  impl = _backend.resolve("linear_logp", implementation, compute_dtype,
+                          supported=supported_for(implementation))
   if _is_concrete(targets) and (mask is None or _is_concrete(mask)):
     check_targets(targets, v, mask)  # eager calls fail loudly; traced ones give NaN
   lead = targets.shape

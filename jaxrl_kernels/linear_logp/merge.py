@@ -14,13 +14,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels import _backend
 from jaxrl_kernels.pallas import linear_logp_fwd as _fwd
 from jaxrl_kernels.pallas.linear_logp_fwd import VOCAB_TILE as VOCAB_TILE
+
+# The kernel implementations of the partials and the merge.
+_IMPLEMENTATIONS = ("mosaic", "triton", "interpret")
 
 
 def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
                   targets: jax.Array, *, weight_layout: str = "hv", temperature: float = 1.0,
-                  compute_dtype=None, implementation: str = "interpret", vocab_offset: int = 0,
+                  compute_dtype=None, implementation: str | None = None, vocab_offset: int = 0,
                   valid_vocab: int | None = None):
   """Per-vocab-tile float32 partials of ``z = (hidden2d @ W + b) / temperature``.
 
@@ -32,7 +36,10 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
     targets: ``[T]`` int32 *global* ids.
     compute_dtype: product dtype (default: ``weight.dtype``; float32 for an
       fp32 head). Accumulation is float32.
-    implementation: ``"triton"`` or ``"interpret"``.
+    implementation: ``"mosaic"`` (Hopper, bf16/fp16 products: TMA + wgmma,
+      :mod:`jaxrl_kernels.pallas.linear_logp_mosaic`), ``"triton"``,
+      ``"interpret"``, or None (by device, as ``linear_logp`` picks). Each
+      gives its own bits; within one, the contract holds.
     vocab_offset: a multiple of ``VOCAB_TILE`` for bitwise TP invariance.
     valid_vocab: local columns ``>= valid_vocab`` are padding (masked to -inf).
 
@@ -42,24 +49,39 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
     target logit, exactly 0 on rows whose target this shard does not own (so
     a sum over shards is exact).
   """
-  if implementation not in ("triton", "interpret"):
-    raise ValueError(f"tile_partials: implementation must be 'triton' or 'interpret', got "
+  compute_dtype = compute_dtype or weight.dtype
+  if implementation is None:
+    # As linear_logp picks for implementation=None.
+    implementation = _backend.resolve("tile_partials", None, compute_dtype,
+                                      supported=("mosaic", "triton", "interpret"))
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"tile_partials: implementation must be one of {_IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
+  if implementation == "mosaic":
+    from jaxrl_kernels.pallas import linear_logp_mosaic
+
+    return linear_logp_mosaic.tile_partials(
+        hidden2d, weight, bias, targets, layout=weight_layout, temperature=temperature,
+        compute_dtype=compute_dtype, vocab_offset=vocab_offset, valid_vocab=valid_vocab)
   return _fwd.tile_partials(
       hidden2d, weight, bias, targets, layout=weight_layout, temperature=temperature,
-      compute_dtype=compute_dtype or weight.dtype, interpret=implementation == "interpret",
+      compute_dtype=compute_dtype, interpret=implementation == "interpret",
       vocab_offset=vocab_offset, valid_vocab=valid_vocab)
 
 
 def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array, *,
-                   implementation: str = "interpret"):
-  """Folds ``[n_tiles, T]`` partials in ascending tile order (a Pallas kernel).
+                   implementation: str | None = None):
+  """Folds ``[n_tiles, T]`` partials in ascending tile order (a Pallas kernel; the
+  Triton one for ``"mosaic"`` too: the merge is O(tiles x T) and memory-bound).
 
   Returns float32 ``(lse, mean_z, entropy)``, each ``[T]``, with
   ``lse = logsumexp(z)``, ``mean_z = sum softmax(z) z``, ``entropy = lse - mean_z``.
   """
-  if implementation not in ("triton", "interpret"):
-    raise ValueError(f"merge_partials: implementation must be 'triton' or 'interpret', got "
+  if implementation is None:  # float32 partials: Triton on GPU, the interpreter on CPU
+    implementation = _backend.resolve("merge_partials", None, jnp.float32,
+                                      supported=_IMPLEMENTATIONS)
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"merge_partials: implementation must be one of {_IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
   return _fwd.merge_partials(m, s, u, interpret=implementation == "interpret")
 

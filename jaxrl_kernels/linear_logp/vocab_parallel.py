@@ -41,7 +41,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_kernels import _backend, _compat
 from jaxrl_kernels.linear_logp import merge
-from jaxrl_kernels.linear_logp.api import _SUPPORTED, _validate, check_targets
+from jaxrl_kernels.linear_logp.api import _SUPPORTED, _validate, check_targets, supported_for
 from jaxrl_kernels.linear_logp.merge import VOCAB_TILE
 from jaxrl_kernels.pallas import linear_logp_bwd
 
@@ -226,7 +226,10 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
     mask, bias_shard, temperature, return_entropy, weight_layout, fp32_head,
       implementation: as in :func:`jaxrl_kernels.linear_logp` (``bias_shard``
       is this device's ``[V_s]`` slice of the bias). ``"xla"`` is not offered:
-      the materialised path has no TP form here.
+      the materialised path has no TP form here. ``"mosaic"`` (Hopper,
+      bf16/fp16, the default there) is TP-bitwise like the others: its tiles' bits do
+      not depend on the shard that holds them; compare against the unsharded
+      op with the same implementation.
     merge: ``"all_gather"`` (default): bitwise equal to the unsharded
       ``linear_logp`` for every TP degree. ``"psum"``: the per-shard merge
       (two floats per token on the wire); its bits depend on the TP degree.
@@ -284,7 +287,8 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
                              weight_layout, fp32_head, return_entropy)
   compute_dtype = jnp.float32 if fp32_head else hidden.dtype
   impl = _backend.resolve("vocab_parallel_linear_logp", implementation, compute_dtype,
-                          supported=tuple(i for i in _SUPPORTED if i != "xla"))
+                          supported=supported_for(implementation,
+                                                  tuple(i for i in _SUPPORTED if i != "xla")))
   lead = targets.shape
   t = math.prod(lead)
   if t == 0:

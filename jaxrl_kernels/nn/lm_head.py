@@ -5,11 +5,16 @@ Three ways to read the head, with one definition of the logits between them:
 * ``head(h, targets)``: selected-token log-probs (and entropy) through
   :func:`jaxrl_kernels.linear_logp`; the ``[..., V]`` logits never exist.
 * ``head.logits(h)``: the float32 logits for a sampler, computed by
-  :func:`head_logits`, a Pallas kernel built on the fused op's own
-  ``logits_tile`` (same vocab tile, same ``block_h`` walk over H, same
-  ``TuningConfig``), so every logit has the bits of the fused path's projection.
+  :func:`head_logits` with the fused op's own projection: on Hopper with
+  bf16/fp16 products (``"mosaic"``) the fused Mosaic kernel itself with a store
+  epilogue (``linear_logp_mosaic.logits``); otherwise a Pallas kernel built on
+  the fused Triton kernel's ``logits_tile`` (same vocab tile, same ``block_h``
+  walk over H, same ``TuningConfig``). Either way every logit has the bits of
+  the fused path's projection.
 * ``head.logp_from_logits(logits, targets)``: :func:`logits_logp`, log-probs of
-  given logits through the fused op's per-tile partials formulas and its
+  given logits through the fused op's per-tile partials code (``"mosaic"``:
+  logit tiles loaded into the wgmma accumulator layout and reduced by the fused
+  kernel's ``tile_epilogue``; Triton / interpreter: ``tile_stats``) and its
   ``merge_partials`` / ``finalize``, so that the sampler's log-prob of the token
   it picked is bitwise the trainer's ``head(h, targets)``.
 
@@ -38,7 +43,8 @@ from jaxrl_kernels.linear_logp import linear_logp, merge
 from jaxrl_kernels.pallas import linear_logp_fwd as _fwd
 from jaxrl_kernels.pallas.linear_logp_fwd import VOCAB_TILE
 
-_SUPPORTED = ("triton", "interpret", "xla")
+# "mosaic" (Hopper, bf16/fp16) is the default there, as for linear_logp.
+_SUPPORTED = ("mosaic", "triton", "interpret", "xla")
 _DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
 _DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
 
@@ -62,7 +68,13 @@ def _logits_kernel(*refs, t, h, v, n_t, n_v, has_bias, group_t, **tile_kw):
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret):
+def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, impl):
+  if impl == "mosaic":
+    from jaxrl_kernels.pallas import linear_logp_mosaic
+
+    return linear_logp_mosaic.logits(hidden2d, weight, bias, layout=layout,
+                                     temperature=temperature, compute_dtype=compute_dtype)
+  interpret = impl == "interpret"
   t, hd = hidden2d.shape
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   cfg = _fwd.default_config(compute_dtype, interpret)  # the fused op's tiles
@@ -85,20 +97,21 @@ def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, int
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _logits(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret):
-  return _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret)
+def _logits(hidden2d, weight, bias, layout, temperature, compute_dtype, impl):
+  return _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, impl)
 
 
-def _logits_fwd(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret):
-  out = _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, interpret)
+def _logits_fwd(hidden2d, weight, bias, layout, temperature, compute_dtype, impl):
+  out = _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, impl)
   return out, (hidden2d, weight, bias)
 
 
-def _logits_bwd(layout, temperature, compute_dtype, interpret, res, g):
+def _logits_bwd(layout, temperature, compute_dtype, impl, res, g):
   hidden2d, weight, bias = res
-  impl = "interpret" if interpret else "triton"
   # dz/d(h W + b) = 1 / temperature; the products run on the deterministic GEMM
-  # (dh rows batch-invariant, dW / db deterministic run to run).
+  # (dh rows batch-invariant, dW / db deterministic run to run). "mosaic": the
+  # GEMM's own choice by weight shape (Mosaic, or Triton where TMA cannot tile it).
+  impl = None if impl == "mosaic" else impl
   g = g / jnp.float32(temperature)
   gc = g.astype(compute_dtype)
   hc = hidden2d.astype(compute_dtype)
@@ -134,8 +147,10 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
     weight_layout: ``"hv"`` or ``"vh"``.
     fp32_head: tiles are upcast to float32 before the product (no fp32 copy of
       the weight); otherwise ``hidden`` and ``weight`` must share a dtype.
-    implementation: ``"triton"``, ``"interpret"``, ``"xla"`` (plain ``jnp.dot``:
-      not bitwise anything) or None (by device).
+    implementation: ``"mosaic"`` (Hopper, bf16/fp16), ``"triton"``,
+      ``"interpret"``, ``"xla"`` (plain ``jnp.dot``: not bitwise anything) or
+      None (by device and dtype, as ``linear_logp`` picks: the logits carry
+      the bits of that implementation's fused op).
 
   Returns:
     ``[..., V]`` float32. Gradients w.r.t. hidden, weight and bias run on ``det_matmul``.
@@ -165,7 +180,8 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
     raise ValueError(f"head_logits: temperature must be a static finite float > 0, got "
                      f"{temperature!r}")
   compute_dtype = jnp.dtype(jnp.float32 if fp32_head else hidden.dtype)
-  impl = _backend.resolve("head_logits", implementation, compute_dtype, supported=_SUPPORTED)
+  impl = _backend.resolve("head_logits", implementation, compute_dtype,
+                          supported=_SUPPORTED)
   lead = hidden.shape[:-1]
   h2 = hidden.reshape(math.prod(lead), hd)
   if h2.shape[0] == 0:
@@ -179,8 +195,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
       z = z + bias.astype(jnp.float32)
     z = z / jnp.float32(temperature) if temperature != 1.0 else z
   else:
-    z = _logits(h2, weight, bias, weight_layout, float(temperature), compute_dtype.name,
-                impl == "interpret")
+    z = _logits(h2, weight, bias, weight_layout, float(temperature), compute_dtype.name, impl)
   return z.reshape(*lead, v)
 
 
@@ -222,17 +237,19 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
   computed from per-``VOCAB_TILE`` partials merged in ascending tile order by
   ``linear_logp``'s ``merge_partials`` and ``finalize``. For ``logits =
   head_logits(h, W, ...)`` the result is bitwise ``linear_logp(h, W, targets,
-  ...)`` under the Pallas interpreter (tested); on GPU the tile reductions run
-  on a different register layout and the claim is only tested by the
-  ``gpu``-marked test. No gradient (a sampler-side function).
+  ...)`` with the same implementation (tested under the Pallas interpreter and,
+  ``gpu``-marked, with ``"mosaic"`` on Hopper: there the logit tiles are loaded
+  into the fused kernel's wgmma accumulator layout and reduced by its own
+  ``tile_epilogue``). No gradient (a sampler-side function).
 
   Args:
     logits: ``[..., V]`` float32 (already divided by the temperature).
     targets: ``[...]`` integer ids; active ids outside ``[0, V)`` give NaN.
     mask: ``[...]`` bool or None; False positions give 0.
     return_entropy: also return the entropy.
-    compute_dtype: the head's compute dtype (picks the fused op's token tile).
-    implementation: ``"triton"``, ``"interpret"`` or None.
+    compute_dtype: the head's compute dtype (picks the implementation and the
+      fused op's token tile, as the head's ``linear_logp`` does).
+    implementation: ``"mosaic"``, ``"triton"``, ``"interpret"`` or None.
 
   Returns:
     float32 ``logp`` of shape ``targets.shape``, or ``(logp, entropy)``.
@@ -248,7 +265,7 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
     raise ValueError(f"logits_logp: mask must be bool of shape {targets.shape}, got "
                      f"{mask.dtype} {mask.shape}")
   impl = _backend.resolve("logits_logp", implementation, compute_dtype,
-                          supported=("triton", "interpret"))
+                          supported=("mosaic", "triton", "interpret"))
   interpret = impl == "interpret"
   lead, v = targets.shape, logits.shape[-1]
   t = math.prod(lead)
@@ -257,6 +274,21 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
     return (z0, z0) if return_entropy else z0
   z2 = lax.stop_gradient(logits).reshape(t, v)
   t2 = targets.reshape(t).astype(jnp.int32)
+  if impl == "mosaic":
+    from jaxrl_kernels.pallas import linear_logp_mosaic
+
+    m, s, u, tz = linear_logp_mosaic.partials_from_logits(z2, t2)
+  else:
+    m, s, u, tz = _partials_from_logits(z2, t2, compute_dtype, interpret)
+  lse, _, ent = merge.merge_partials(m, s, u, implementation=impl)
+  logp, ent = merge.finalize(tz, lse, ent, t2, None if mask is None else mask.reshape(t), v)
+  logp, ent = logp.reshape(lead), ent.reshape(lead)
+  return (logp, ent) if return_entropy else logp
+
+
+def _partials_from_logits(z2, t2, compute_dtype, interpret: bool):
+  """The Triton / interpreter form: ``tile_stats`` on the fused Triton kernel's tiles."""
+  t, v = z2.shape
   cfg = _fwd.default_config(compute_dtype, interpret)
   n_t, n_v = pl.cdiv(t, cfg.block_t), pl.cdiv(v, VOCAB_TILE)
   part = jax.ShapeDtypeStruct((n_v, t), jnp.float32)
@@ -270,10 +302,7 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
       name="lm_head_logits_partials",
       **_fwd.compiler_params(cfg, interpret),
   )(z2, t2, jnp.zeros((t,), jnp.float32))
-  lse, _, ent = merge.merge_partials(m, s, u, implementation=impl)
-  logp, ent = merge.finalize(tz, lse, ent, t2, None if mask is None else mask.reshape(t), v)
-  logp, ent = logp.reshape(lead), ent.reshape(lead)
-  return (logp, ent) if return_entropy else logp
+  return m, s, u, tz
 
 
 # --------------------------------------------------------------------------------- module
@@ -349,9 +378,9 @@ class LMHead(nnx.Module):
   def logp_from_logits(self, logits: jax.Array, targets: jax.Array,
                        mask: jax.Array | None = None, return_entropy: bool = False):
     """Log-probs of ``self.logits(h, temperature)`` output: bitwise ``self(h, targets, ...,
-    temperature)`` in interpret mode (see :func:`logits_logp`). On an H100 2 of 37 tokens
-    differed in the last bit (a known defect, tests/rl/test_nn_modules.py): report sampler
-    log-probs with ``self(h, tokens)``, as :func:`jaxrl_kernels.nn.sample` does."""
+    temperature)`` (see :func:`logits_logp`; on Hopper bf16/fp16 through the Mosaic
+    kernels, tested by tests/rl/test_nn_modules.py::
+    test_argmax_logp_from_logits_equals_fused_bitwise_gpu)."""
     impl = None if self.implementation == "xla" else self.implementation
     return logits_logp(logits, targets, mask=mask, return_entropy=return_entropy,
                        compute_dtype=self.compute_dtype, implementation=impl)

@@ -434,3 +434,25 @@ def test_no_logits_sized_temporaries():
   fused = temp_bytes(IMPL)
   assert fused < logits / 4, f"fused temporaries {fused} B vs logits {logits} B"
   assert temp_bytes("xla") >= logits  # the baseline does materialize them
+
+
+@pytest.mark.parametrize("tm,t", [(128, 300), (64, 130), (128, 128)])
+def test_mosaic_packed_statistics_unpack_to_rows(tm, t):
+  """The Mosaic kernels store row statistics packed ([tiles, blocks * 64, 8]: row
+  blk * tm + 64 c + r at [blk * 64 + r, 4 c + q]); _unpack must give each row its own."""
+  from jaxrl_kernels.pallas import linear_logp_mosaic as lm
+  n_tiles, blocks = 3, -(-t // tm)
+  nc = tm // 64
+  packed = np.zeros((n_tiles + 1, blocks * 64, 8), np.float32)  # one tile past the vocab
+  for j in range(n_tiles + 1):
+    for row in range(blocks * tm):
+      blk, c, r = row // tm, (row % tm) // 64, row % 64
+      for q in range(4):
+        packed[j, blk * 64 + r, 4 * c + q] = 1000 * j + 10 * row + q
+  if nc == 1:
+    packed[:, :, 4:] = -1.0  # unused columns must not leak
+  outs = lm._unpack(jnp.asarray(packed), n_tiles, t, tm)
+  rows = np.arange(t)
+  for q, o in enumerate(outs):
+    want = 1000 * np.arange(n_tiles)[:, None] + 10 * rows[None, :] + q
+    np.testing.assert_array_equal(np.asarray(o), want.astype(np.float32))

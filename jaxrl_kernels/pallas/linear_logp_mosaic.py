@@ -1,0 +1,435 @@
+"""Fused LM-head forward for Hopper in Pallas Mosaic GPU: wgmma logits, softmax-partials epilogue.
+
+The GEMM is ``gemm_mosaic``'s (persistent grid, one TMA memory warpgroup and
+two wgmma compute warpgroups, ``TILE_K = 64`` ascending over H); the store
+epilogue is replaced by the per-vocab-tile partials of
+:func:`linear_logp_fwd.tile_partials`. A CTA owns ``tile_m`` token rows and
+two vocab tiles (``2 * VOCAB_TILE`` columns); compute warpgroup ``g`` holds
+the float32 accumulator of vocab tile ``2 n + g`` (``[tile_m, VOCAB_TILE]``,
+wgmma register layout) and reduces it, ``EPI_ROWS`` rows at a time, with
+:func:`tile_epilogue`:
+
+    z   = (acc + b) / temperature,  -inf on columns >= valid_vocab
+    m   = max_v z_v,  s = sum_v exp(z_v - m),  u = sum_v exp(z_v - m) (z_v - m)
+    tz  = z[t]  if the row's target t is in this tile, else 0 (an exact masked sum)
+
+The four ``[EPI_ROWS]`` row vectors go through shared memory to ``[n_tiles,
+T]`` outputs by TMA. ``tz`` is a per-tile array with exactly one non-zero
+term per row, summed over tiles (exact in any order).
+
+Bits: each logit is the wgmma accumulation over ascending 64-wide K tiles
+(``gemm_mosaic``'s contract: independent of M, N, the tile position and the
+CTA walk), and each row's reductions run on one ``[EPI_ROWS, VOCAB_TILE]``
+array in the wgmma layout, whose per-row reduction tree (a fixed per-thread
+order, then a fixed 4-lane shuffle) is the same for every row. So a row's
+partials depend only on its own hidden row, the tile's weight columns and
+the constants: not on T, its position, other rows, ``tile_m`` or the vocab
+shard holding the tile (tested bitwise). The bits differ from the Triton
+kernel's (another GEMM and another reduction layout).
+
+Sampler side (``nn.lm_head``): :func:`logits` runs the same kernel with a
+store epilogue (the ``z`` above, before the mask) and :func:`partials_from_logits`
+loads logit tiles into the same register layout and runs the same
+:func:`tile_epilogue`, so ``logits -> logp`` is bitwise the fused result.
+
+Shapes Mosaic's TMA tiling cannot take (H not a multiple of 64, vocab extent
+not a multiple of 64 for ``"hv"`` / 8 for ``"vh"``, fewer than one CTA tile of
+rows or columns, T not a multiple of 8) are zero-padded (a copy); padding
+columns are masked and padding rows dropped, so the bits do not change.
+LM heads in practice (H = 4096, V = 151936, T % 8 = 0) are read in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxrl_kernels.pallas.gemm_mosaic import TILE_K
+from jaxrl_kernels.pallas.linear_logp_fwd import VOCAB_TILE
+
+# Part of the contract: rows reduced at once by tile_epilogue. Mosaic splits a row
+# reduction's partial accumulators by the array's rows per thread (acc_ilp // vec_len //
+# rows), so the reduction tree of a row depends on this height; both kernels use it.
+EPI_ROWS = 64
+_NUM_WGS = 2  # compute warpgroups: one vocab tile each
+_CTA_N = _NUM_WGS * VOCAB_TILE
+# Shared memory per CTA on Hopper (227 KiB), less a margin for barriers.
+_SMEM_BYTES = 232448 - 2048
+# Row statistics leave the kernels as [EPI_ROWS, PACK] float32 arrays in the wgmma layout
+# (a 2-D store; storing the [EPI_ROWS] row vectors to shared memory directly gave wrong
+# rows on jax 0.11.2): columns 4 c .. 4 c + 3 hold (m, s, u, tz) of the c-th 64-row chunk
+# of a 128-row CTA tile. See _unpack.
+PACK = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLogpConfig:
+  """Free knobs: none changes a row's bits (tests/linear_logp/test_linear_logp_mosaic_gpu.py).
+
+  Attributes:
+    tile_m: token rows per CTA (64 or 128).
+    max_concurrent_steps: TMA pipeline depth (lowered to fit shared memory).
+    grid_minor: the faster index of the persistent CTA walk ("m" or "n").
+    grid_tile_width: band width of the snake walk (L2 reuse).
+  """
+
+  tile_m: int = 128
+  max_concurrent_steps: int = 4
+  grid_minor: str = "m"
+  grid_tile_width: int = 8
+
+
+def tile_epilogue(z, col_ids, tg, *, valid_vocab: int):
+  """Per-row ``(m, s, u, tz)`` of one float32 logits tile ``z [EPI_ROWS, VOCAB_TILE]``.
+
+  ``col_ids``: int32 local column index per element; ``tg``: int32 ``[rows]``
+  local target ids (anything when not in the tile). Columns ``>= valid_vocab``
+  are masked to -inf. The one definition shared by the fused kernel and the
+  from-logits kernel: the same ops on the same register layout give the same bits.
+  """
+  col_ok = col_ids < valid_vocab
+  z = jnp.where(col_ok, z, -jnp.inf)
+  m = jnp.max(z, axis=1)
+  zm = z - lax.broadcast_in_dim(m, z.shape, [0])
+  e = jnp.exp(zm)  # exp(-inf) = 0 on masked columns
+  s = jnp.sum(e, axis=1)
+  u = jnp.sum(jnp.where(col_ok, e * zm, 0.0), axis=1)
+  tg = jnp.where(tg < valid_vocab, tg, -1)  # a target in a masked column has no logit here
+  hit = col_ids == lax.broadcast_in_dim(tg, z.shape, [0])
+  tz = jnp.sum(jnp.where(hit, z, 0.0), axis=1)  # one non-zero term at most: exact
+  return m, s, u, tz
+
+
+def _pack(packed, pack_ids, stats, c: int):
+  """Puts the four ``[EPI_ROWS]`` row statistics of chunk ``c`` in columns ``4c..4c+3``."""
+  for q, vec in enumerate(stats):
+    packed = jnp.where(pack_ids == 4 * c + q, lax.broadcast_in_dim(vec, packed.shape, [0]),
+                       packed)
+  return packed
+
+
+def _unpack(packed, n_tiles: int, t: int, tm: int):
+  """``[n, blocks * EPI_ROWS, PACK]`` packed statistics -> ``(m, s, u, tz_per_tile)``,
+  each ``[n_tiles, t]``: row ``blk * tm + 64 c + r`` sits at ``[:, blk * 64 + r, 4c + q]``."""
+  n, rows, _ = packed.shape
+  nc = tm // EPI_ROWS
+  x = packed[:n_tiles].reshape(n_tiles, rows // EPI_ROWS, EPI_ROWS, PACK // 4, 4)[:, :, :, :nc]
+  x = x.transpose(4, 0, 1, 3, 2).reshape(4, n_tiles, (rows // EPI_ROWS) * nc * EPI_ROWS)
+  return tuple(x[q, :, :t] for q in range(4))
+
+
+def _scale(z, bias_row, temperature: float):
+  """``(z + b) / temperature``: the fused op's logit, in the Triton kernel's op order."""
+  if bias_row is not None:
+    z = z + bias_row
+  if temperature != 1.0:
+    z = z / jnp.float32(temperature)
+  return z
+
+
+def _smem_transforms(minor_elems: int, itemsize: int):
+  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, logits_only: bool,
+            valid_vocab: int, n_tiles: int, temperature: float, cfg: MosaicLogpConfig):
+  refs = list(refs)
+  b_gmem = refs.pop(0) if has_bias else None
+  if logits_only:
+    (z_gmem,) = refs
+    tg_gmem = None
+  else:
+    tg_gmem, *outs = refs
+  itemsize = jnp.dtype(h_gmem.dtype).itemsize
+  tm = cfg.tile_m
+  m_iters, n_iters, k_iters = pl.cdiv(m, tm), pl.cdiv(n, _CTA_N), pl.cdiv(k, TILE_K)
+  a_spec = plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk),
+                           transforms=_smem_transforms(TILE_K, itemsize))
+  if hv:  # W [H, V]: smem tile [TILE_K, cta_n]
+    b_spec = plgpu.BlockSpec((TILE_K, _CTA_N), lambda kk: (kk, 0),
+                             transforms=_smem_transforms(_CTA_N, itemsize))
+  else:  # W [V, H], read in place: smem tile [cta_n, TILE_K]
+    b_spec = plgpu.BlockSpec((_CTA_N, TILE_K), lambda kk: (0, kk),
+                             transforms=_smem_transforms(TILE_K, itemsize))
+
+  def make_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg",
+        num_compute_wgs=_NUM_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context)
+
+  ignore = lambda *_, **__: None  # noqa: E731
+  n_vec = int(has_bias) + int(not logits_only)
+  scoped = dict(allocs=make_pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem))
+  if logits_only:
+    scoped["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
+  else:
+    scoped["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, PACK), jnp.float32)
+    scoped["tg_smem"] = plgpu.SMEM((_NUM_WGS, tm), jnp.int32)
+  if has_bias:
+    scoped["b_smem"] = plgpu.SMEM((_NUM_WGS, VOCAB_TILE), jnp.float32)
+  if n_vec:
+    scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=n_vec, num_barriers=_NUM_WGS)
+
+  @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
+  def _scope(allocs, out_smem, tg_smem=None, b_smem=None, vec_barriers=None):
+    wg = lax.axis_index("wg")
+    minor = 0 if cfg.grid_minor == "m" else 1
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
+      row0 = mi * tm
+      tile = ni * _NUM_WGS + wg  # this warpgroup's vocab tile
+      col0 = tile * VOCAB_TILE
+
+      def compute_context(run_pipeline):
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((tm, VOCAB_TILE), jnp.float32))
+        def _acc_scope(acc_ref):
+          # Epilogue operands, fetched during the mainloop.
+          if tg_smem is not None:
+            plgpu.copy_gmem_to_smem(tg_gmem.at[pl.ds(row0, tm)], tg_smem.at[wg],
+                                    vec_barriers.at[wg])
+          if b_smem is not None:
+            plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(col0, VOCAB_TILE)], b_smem.at[wg],
+                                    vec_barriers.at[wg])
+          run_pipeline(acc_ref)
+          acc = acc_ref[...]
+          if n_vec:
+            plgpu.barrier_wait(vec_barriers.at[wg])
+          shape = (EPI_ROWS, VOCAB_TILE)
+          col_ids = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+          bias_row = None
+          if b_smem is not None:
+            bias_row = lax.broadcast_in_dim(b_smem[wg], shape, [1])
+          # The previous tile's stores must have read the staging buffer.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, PACK), 1)
+          packed = jnp.zeros((EPI_ROWS, PACK), jnp.float32)
+          for c in range(tm // EPI_ROWS):
+            rows = pl.ds(c * EPI_ROWS, EPI_ROWS)
+            z = _scale(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temperature)
+            if logits_only:
+              if c:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              out_smem[wg] = z
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg],
+                  z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
+            else:
+              stats = tile_epilogue(z, col_ids, tg_smem[wg, rows], valid_vocab=valid_vocab)
+              packed = _pack(packed, pack_ids, stats, c)
+          if not logits_only:
+            out_smem[wg] = packed
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                    outs[0].at[tile, pl.ds(mi * EPI_ROWS, EPI_ROWS), :])
+
+      def mma(idxs, a_smem, b_smem, acc_ref):
+        del idxs
+        wg_n = pl.ds(wg * VOCAB_TILE, VOCAB_TILE)
+        b_op = b_smem.at[:, wg_n] if hv else b_smem.at[wg_n, :].transpose((1, 0))
+        plgpu.wgmma(acc_ref, a_smem, b_op)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      a_view = h_gmem.at[pl.ds(row0, tm), :]
+      cols = pl.ds(ni * _CTA_N, _CTA_N)
+      b_view = w_gmem.at[:, cols] if hv else w_gmem.at[cols, :]
+      make_pipeline(mma, compute_context)(a_view, b_view, allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _fit(cfg: MosaicLogpConfig, itemsize: int, logits_only: bool) -> MosaicLogpConfig:
+  """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
+  stage = (cfg.tile_m + _CTA_N) * TILE_K * itemsize
+  if logits_only:
+    extra = _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
+  else:
+    extra = _NUM_WGS * (5 * cfg.tile_m + VOCAB_TILE) * 4
+  steps = cfg.max_concurrent_steps
+  while steps > 2 and steps * stage + extra > _SMEM_BYTES:
+    steps -= 1
+  return dataclasses.replace(cfg, max_concurrent_steps=steps)
+
+
+def supported(compute_dtype) -> bool:
+  """Whether the Mosaic forward takes this compute dtype (bf16/fp16; fp32 heads use Triton)."""
+  return jnp.dtype(compute_dtype).name in ("bfloat16", "float16")
+
+
+def _num_sms() -> int:
+  """One persistent CTA per SM (132 on an H100 SXM; a fallback for tracing on CPU)."""
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _round_up(x: int, q: int) -> int:
+  return -(-x // q) * q
+
+
+def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
+  """Casts to the compute dtype and zero-pads what TMA tiling cannot take (see module doc).
+
+  Returns ``(hidden, weight, bias_f32_or_None, m_run, n_run)``.
+  """
+  hv = layout == "hv"
+  t, h = hidden.shape
+  v = weight.shape[1] if hv else weight.shape[0]
+  hidden = hidden.astype(compute_dtype)
+  weight = weight.astype(compute_dtype)
+  h_run = _round_up(h, TILE_K)
+  m_run = max(tm, _round_up(t, 8))
+  n_run = max(_CTA_N, _round_up(v, 64 if hv else 8))
+  if (m_run, h_run) != (t, h):
+    hidden = jnp.pad(hidden, ((0, m_run - t), (0, h_run - h)))
+  if (n_run, h_run) != (v, h):
+    pads = ((0, h_run - h), (0, n_run - v)) if hv else ((0, n_run - v), (0, h_run - h))
+    weight = jnp.pad(weight, pads)
+  if bias is not None:
+    bias = jnp.pad(bias.astype(jnp.float32), (0, n_run - v))
+  return hidden, weight, bias, m_run, n_run
+
+
+def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, n_tiles, m_run,
+          n_run, logits_only, cfg: MosaicLogpConfig, out_type, name):
+  k = hidden.shape[1]
+  kernel = functools.partial(
+      _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
+      logits_only=logits_only, valid_vocab=valid_vocab, n_tiles=n_tiles,
+      temperature=float(temperature), cfg=cfg)
+  f = plgpu.kernel(
+      kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",),
+      num_threads=_NUM_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  del name  # (plgpu.kernel takes no name)
+  args = (hidden, weight) + (() if bias is None else (bias,)) + extra
+  return f(*args)
+
+
+def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
+                  targets: jax.Array, *, layout: str, temperature: float, compute_dtype,
+                  vocab_offset: int = 0, valid_vocab: int | None = None,
+                  config: MosaicLogpConfig | None = None):
+  """:func:`linear_logp_fwd.tile_partials` (same arguments, outputs and meaning) on Hopper.
+
+  Args:
+    hidden2d: ``[T, H]``; weight ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``);
+      bias ``[V]`` or None; targets ``[T]`` int32 global ids.
+    compute_dtype: bfloat16 or float16 (accumulation is float32).
+    vocab_offset, valid_vocab: this weight's first global id; local columns
+      ``>= valid_vocab`` are masked to -inf.
+
+  Returns:
+    ``(m, s, u, target_logit)``: float32 ``[ceil(V / VOCAB_TILE), T]`` each, and
+    ``[T]`` (exactly 0 where this weight does not own the row's target).
+  """
+  if not supported(compute_dtype):
+    raise TypeError(f"linear_logp(mosaic): compute dtype must be bfloat16 or float16, got "
+                    f"{jnp.dtype(compute_dtype).name}")
+  cfg = config or MosaicLogpConfig()
+  t = hidden2d.shape[0]
+  v = weight.shape[1] if layout == "hv" else weight.shape[0]
+  n_tiles = pl.cdiv(v, VOCAB_TILE)
+  itemsize = jnp.dtype(compute_dtype).itemsize
+  cfg = _fit(cfg, itemsize, logits_only=False)
+  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
+  tg = jnp.pad(targets.astype(jnp.int32) - jnp.int32(vocab_offset), (0, m_run - t))
+  n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS  # the last CTA may hold a tile past the vocab
+  m_iters = pl.cdiv(m_run, cfg.tile_m)
+  packed = _call(
+      h2, w2, b2, (tg,), layout=layout, temperature=temperature,
+      valid_vocab=v if valid_vocab is None else valid_vocab, n_tiles=n_tiles, m_run=m_run,
+      n_run=n_run, logits_only=False, cfg=cfg,
+      out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),),
+      name="linear_logp_tile_partials_mosaic")[0]
+  m, s, u, tzp = _unpack(packed, n_tiles, t, cfg.tile_m)
+  # One non-zero term per row (the owning tile's), so the sum is exact in any order.
+  tz = jnp.sum(tzp, axis=0)
+  return m, s, u, tz
+
+
+def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, layout: str,
+           temperature: float, compute_dtype, config: MosaicLogpConfig | None = None):
+  """Float32 ``[T, V]`` logits ``(h W + b) / temperature``: bitwise the ``z`` that
+  :func:`tile_partials` reduces (the same kernel, with a store epilogue)."""
+  if not supported(compute_dtype):
+    raise TypeError(f"head_logits(mosaic): compute dtype must be bfloat16 or float16, got "
+                    f"{jnp.dtype(compute_dtype).name}")
+  cfg = config or MosaicLogpConfig()
+  t = hidden2d.shape[0]
+  v = weight.shape[1] if layout == "hv" else weight.shape[0]
+  cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, logits_only=True)
+  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
+  n_out = _round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
+  z = _call(h2, w2, b2, (), layout=layout, temperature=temperature, valid_vocab=v,
+            n_tiles=pl.cdiv(v, VOCAB_TILE), m_run=m_run, n_run=n_run, logits_only=True,
+            cfg=cfg, out_type=jax.ShapeDtypeStruct((m_run, n_out), jnp.float32),
+            name="lm_head_logits_mosaic")
+  return z[:t, :v] if (m_run, n_out) != (t, v) else z
+
+
+def _from_logits_kernel(z_gmem, tg_gmem, *outs, valid_vocab: int):
+  i = lax.axis_index("rows")
+  j = lax.axis_index("tiles")
+  row0 = i * EPI_ROWS
+  col0 = j * VOCAB_TILE
+
+  @functools.partial(pl.run_scoped,
+                     z_smem=plgpu.SMEM((EPI_ROWS, VOCAB_TILE), jnp.float32),
+                     tg_smem=plgpu.SMEM((EPI_ROWS,), jnp.int32),
+                     out_smem=plgpu.SMEM((EPI_ROWS, PACK), jnp.float32),
+                     barrier=plgpu.Barrier(num_arrivals=2))
+  def _scope(z_smem, tg_smem, out_smem, barrier):
+    plgpu.copy_gmem_to_smem(z_gmem.at[pl.ds(row0, EPI_ROWS), pl.ds(col0, VOCAB_TILE)], z_smem,
+                            barrier)
+    plgpu.copy_gmem_to_smem(tg_gmem.at[pl.ds(row0, EPI_ROWS)], tg_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    # The fused kernel's accumulator layout, so tile_epilogue reduces in its order.
+    z = plgpu.layout_cast(z_smem[...], plgpu.Layout.WGMMA)
+    col_ids = col0 + lax.broadcasted_iota(jnp.int32, (EPI_ROWS, VOCAB_TILE), 1)
+    stats = tile_epilogue(z, col_ids, tg_smem[...], valid_vocab=valid_vocab)
+    pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, PACK), 1)
+    out_smem[...] = _pack(jnp.zeros((EPI_ROWS, PACK), jnp.float32), pack_ids, stats, 0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, outs[0].at[j, pl.ds(row0, EPI_ROWS), :])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def partials_from_logits(logits2d: jax.Array, targets: jax.Array):
+  """``(m, s, u, target_logit)`` of float32 logits ``[T, V]``, as :func:`tile_partials` of
+  the head would give them: bitwise, for logits from :func:`logits` of that head.
+
+  Logit tiles are loaded into the wgmma register layout and reduced by
+  :func:`tile_epilogue`. Padding (a copy) only when ``V % 4`` or ``T < 64`` /
+  ``V < 128`` (TMA boxes must fit the array); otherwise read in place.
+  """
+  t, v = logits2d.shape
+  n_tiles = pl.cdiv(v, VOCAB_TILE)
+  # TMA: the f32 tile's smem tiling is (8, 32), so the array's dims must be multiples.
+  t_in, v_in = max(_round_up(t, 8), EPI_ROWS), max(_round_up(v, 32), VOCAB_TILE)
+  if (t_in, v_in) != (t, v):
+    logits2d = jnp.pad(logits2d, ((0, t_in - t), (0, v_in - v)))
+  t_out = max(EPI_ROWS, _round_up(t, 8))
+  tg = jnp.pad(targets.astype(jnp.int32), (0, max(t_out, t_in) - t))
+  n_blocks = pl.cdiv(t, EPI_ROWS)
+  part = jax.ShapeDtypeStruct((n_tiles, n_blocks * EPI_ROWS, PACK), jnp.float32)
+  f = plgpu.kernel(
+      functools.partial(_from_logits_kernel, valid_vocab=v),
+      out_type=(part,), grid=(n_blocks, n_tiles), grid_names=("rows", "tiles"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  (packed,) = f(logits2d, tg)
+  m, s, u, tzp = _unpack(packed, n_tiles, t, EPI_ROWS)
+  return m, s, u, jnp.sum(tzp, axis=0)
