@@ -379,8 +379,8 @@ class LMHead(nnx.Module):
                        mask: jax.Array | None = None, return_entropy: bool = False):
     """Log-probs of ``self.logits(h, temperature)`` output: bitwise ``self(h, targets, ...,
     temperature)`` (see :func:`logits_logp`; on Hopper bf16/fp16 through the Mosaic
-    kernels, tested by tests/rl/test_nn_modules.py::
-    test_argmax_logp_from_logits_equals_fused_bitwise_gpu)."""
+    kernels: the logp bitwise, the entropy within an ulp for a few tokens, a known defect;
+    tests/rl/test_nn_modules.py::test_argmax_logp_from_logits_equals_fused_bitwise_gpu)."""
     impl = None if self.implementation == "xla" else self.implementation
     return logits_logp(logits, targets, mask=mask, return_entropy=return_entropy,
                        compute_dtype=self.compute_dtype, implementation=impl)

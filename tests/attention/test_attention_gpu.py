@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_reference import same_len_inputs as inputs
 from helpers import TOL, assert_bitwise_equal, bits, rel_err
 
 from jaxrl_kernels.attention import causal_attention
@@ -16,15 +17,6 @@ from jaxrl_kernels.attention import causal_attention
 pytestmark = pytest.mark.gpu
 IMPL = "triton"
 B, T, HQ, HKV, D = 2, 1024, 8, 8, 128
-
-
-def inputs(seed, b, t, hq, hkv, d, dtype, spread=10):
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(k1, (b, t, hq, d))
-  k = jax.random.normal(k2, (b, t, hkv, d))
-  v = jax.random.normal(k3, (b, t, hkv, d))
-  v = v * 2.0 ** jax.random.randint(k4, (b, t, hkv, 1), -spread, spread + 1).astype(jnp.float32)
-  return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
 def reference64(q, k, v, scale):

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_reference import reference as reference64
+from attention_reference import same_len_inputs as inputs
 from helpers import TOL, assert_bitwise_equal, bits, rel_err
 
 from jaxrl_kernels import _backend
@@ -25,43 +27,6 @@ HQ, D = 4, 128
 def _hopper_only():
   if not _backend.is_hopper():
     pytest.skip("the Mosaic attention kernel needs a Hopper GPU (sm_90)")
-
-
-def inputs(seed, b, t, hq, hkv, d, dtype, *, spread=10):
-  """q, k, v revealing reorderings: v rows scaled by 2**e, e in [-spread, spread]."""
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(k1, (b, t, hq, d))
-  k = jax.random.normal(k2, (b, t, hkv, d))
-  v = jax.random.normal(k3, (b, t, hkv, d))
-  v = v * 2.0 ** jax.random.randint(k4, (b, t, hkv, 1), -spread, spread + 1).astype(jnp.float32)
-  return q.astype(dtype), k.astype(dtype), v.astype(dtype)
-
-
-def reference64(q, k, v, pos, kvl, scale, d_out=None):
-  """float64 attention on the host; with ``d_out`` also ``(dq, dk, dv)``."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  b, _, hq, d = q.shape
-  s_len, hkv = k.shape[1], k.shape[2]
-  g = hq // hkv
-  kk, vv = np.repeat(k, g, 2), np.repeat(v, g, 2)
-  keys = np.arange(s_len)[None, None]
-  vis = (keys <= np.asarray(pos)[:, :, None]) & (keys < np.asarray(kvl)[:, None, None])
-  sc = np.where(vis[:, None], np.einsum("bqhd,bkhd->bhqk", q, kk) * scale, -np.inf)
-  mx = np.max(sc, -1, keepdims=True)
-  e = np.where(vis[:, None], np.exp(sc - np.where(np.isfinite(mx), mx, 0)), 0)
-  den = e.sum(-1, keepdims=True)
-  p = e / np.where(den > 0, den, 1)
-  out = np.einsum("bhqk,bkhd->bqhd", p, vv)
-  if d_out is None:
-    return out
-  do = np.asarray(d_out, np.float64)
-  dv = np.einsum("bhqk,bqhd->bkhd", p, do)
-  dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
-  ds = p * (dp - np.einsum("bqhd,bqhd->bhq", do, out)[..., None])
-  dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-  dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-  fold = lambda x: x.reshape(b, s_len, hkv, g, d).sum(3)  # noqa: E731
-  return out, (dq, fold(dk), fold(dv))
 
 
 def arange_pos(b, t):

@@ -13,18 +13,18 @@ from jaxrl_kernels.pallas import linear_logp_bwd
 H, V = 64, 448  # V: 3 full chunks of 128 and a tail of 64
 
 
-def _case(dtype, t, layout, seed=0):
+def _case(dtype, t, layout, seed=0, *, h=H, v=V, implementation=None):
   k = jax.random.split(jax.random.key(seed), 6)
-  x = wide_rows(k[0], t, H, dtype, spread=3)
-  w = (jax.random.normal(k[1], (H, V), jnp.float32) * 0.3).astype(dtype)
+  x = wide_rows(k[0], t, h, dtype, spread=3)
+  w = (jax.random.normal(k[1], (h, v), jnp.float32) * 0.3).astype(dtype)
   w = w if layout == "hv" else w.T
-  b = jax.random.normal(k[2], (V,), jnp.float32)
-  tg = jax.random.randint(k[3], (t,), 0, V)
+  b = jax.random.normal(k[2], (v,), jnp.float32)
+  tg = jax.random.randint(k[3], (t,), 0, v)
   gl = jax.random.normal(k[4], (t,), jnp.float32)
   ge = jax.random.normal(k[5], (t,), jnp.float32)
   m, s, u, _ = merge.tile_partials(x, w, b, tg, weight_layout=layout, temperature=0.9,
-                                   compute_dtype=dtype)
-  lse, mean_z, _ = merge.merge_partials(m, s, u)
+                                   compute_dtype=dtype, implementation=implementation)
+  lse, mean_z, _ = merge.merge_partials(m, s, u, implementation=implementation)
   return x, w, b, tg, lse, mean_z, gl, ge
 
 
@@ -67,24 +67,15 @@ def test_vocab_shard_with_padding_columns():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 def test_mosaic_epilogue_accumulation_keeps_the_gradients_bits(layout, monkeypatch):
-  """On Hopper dH accumulates in the dH GEMM's epilogue (two chunks per loop step);
+  """On Hopper dH accumulates in place in the dH GEMM's epilogue;
   the gradients are bitwise those of the product + add path."""
   from jaxrl_kernels._backend import is_hopper
   if not is_hopper():
     pytest.skip("the Mosaic GEMMs need a Hopper GPU")
-  t, h, v = 300, 256, 4096 + 640  # 4 full 1024-column chunks, a 640-column tail
-  k = jax.random.split(jax.random.key(4), 6)
-  x = wide_rows(k[0], t, h, jnp.bfloat16, spread=3)
-  w = (jax.random.normal(k[1], (h, v), jnp.float32) * 0.3).astype(jnp.bfloat16)
-  w = w if layout == "hv" else w.T
-  b = jax.random.normal(k[2], (v,), jnp.float32)
-  tg = jax.random.randint(k[3], (t,), 0, v)
-  gl = jax.random.normal(k[4], (t,), jnp.float32)
-  ge = jax.random.normal(k[5], (t,), jnp.float32)
-  m, s, u, _ = merge.tile_partials(x, w, b, tg, weight_layout=layout, temperature=0.9,
-                                   compute_dtype="bfloat16", implementation="triton")
-  lse, mean_z, _ = merge.merge_partials(m, s, u, implementation="triton")
-  args = (x, w, b, tg, lse, mean_z, gl, ge)
+  t = 300
+  # V = 4 full 1024-column chunks and a 640-column tail.
+  args = _case("bfloat16", t, layout, seed=4, h=256, v=4096 + 640, implementation="triton")
+  w = args[1]
   # dh_rows=128: without the epilogue accumulation dH is added in 128-row blocks.
   kw = dict(layout=layout, temperature=0.9, compute_dtype="bfloat16", gemm="mosaic",
             chunk=1024, dh_rows=128)

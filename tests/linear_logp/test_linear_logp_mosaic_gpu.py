@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
+from tp_emulation import emulated_tp_logp
 
 from jaxrl_kernels import _backend
-from jaxrl_kernels.linear_logp import api, finalize, linear_logp, merge_partials, tile_partials
+from jaxrl_kernels.linear_logp import api, linear_logp, tile_partials
 from jaxrl_kernels.linear_logp.reference import linear_logp_reference
-from jaxrl_kernels.linear_logp.vocab_parallel import pad_vocab
 from jaxrl_kernels.nn.lm_head import head_logits, logits_logp
 from jaxrl_kernels.pallas import linear_logp_mosaic as lm
 
@@ -198,20 +198,7 @@ def test_emulated_tp_on_one_gpu_is_bitwise(tp, layout):
   w = _weight(layout)
   ref_lp, ref_ent = linear_logp(x, w, tg, return_entropy=True, weight_layout=layout,
                                 implementation=IMPL)
-  wp = pad_vocab(w, tp, weight_layout=layout)
-  v_s = (wp.shape[1] if layout == "hv" else wp.shape[0]) // tp
-  parts, tz = [], 0.0
-  for r in range(tp):
-    valid = min(max(V - r * v_s, 0), v_s)
-    shard = wp[:, r * v_s:(r + 1) * v_s] if layout == "hv" else wp[r * v_s:(r + 1) * v_s]
-    m, s, u, z = tile_partials(x, shard, None, tg - r * v_s, weight_layout=layout,
-                               implementation=IMPL, valid_vocab=valid)
-    parts.append((m, s, u))
-    tz = tz + z
-  n = -(-V // 128)
-  m, s, u = (jnp.concatenate([p[i] for p in parts])[:n] for i in range(3))
-  lse, _, ent = merge_partials(m, s, u, implementation=IMPL)
-  lp, ent = finalize(tz, lse, ent, tg, None, V)
+  lp, ent = emulated_tp_logp(x, w, tg, tp, V, layout=layout, implementation=IMPL)
   assert_bitwise_equal(lp, ref_lp, f"emulated TP={tp} logp")
   assert_bitwise_equal(ent, ref_ent, f"emulated TP={tp} entropy")
 

@@ -14,8 +14,9 @@ import pytest
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from tp_emulation import emulated_tp_logp
 
-from jaxrl_kernels.linear_logp import finalize, linear_logp, merge_partials, tile_partials
+from jaxrl_kernels.linear_logp import linear_logp
 from jaxrl_kernels.linear_logp.vocab_parallel import pad_vocab, vocab_parallel_logp
 
 pytestmark = pytest.mark.gpu
@@ -35,20 +36,7 @@ def _case(dtype=jnp.bfloat16, seed=0):
 def test_emulated_tp_on_one_gpu_is_bitwise(tp):
   x, w, tg = _case()
   ref_lp, ref_ent = linear_logp(x, w, tg, return_entropy=True, implementation=IMPL)
-  wp = pad_vocab(w, tp)
-  v_s = wp.shape[1] // tp
-  parts = []
-  tz = 0.0
-  for r in range(tp):
-    valid = min(max(V - r * v_s, 0), v_s)
-    m, s, u, z = tile_partials(x, wp[:, r * v_s:(r + 1) * v_s], None, tg - r * v_s,
-                               implementation=IMPL, valid_vocab=valid)
-    parts.append((m, s, u))
-    tz = tz + z
-  n = -(-V // 128)
-  m, s, u = (jnp.concatenate([p[i] for p in parts])[:n] for i in range(3))
-  lse, _, ent = merge_partials(m, s, u, implementation=IMPL)
-  lp, ent = finalize(tz, lse, ent, tg, None, V)
+  lp, ent = emulated_tp_logp(x, w, tg, tp, V, implementation=IMPL)
   assert_bitwise_equal(lp, ref_lp, f"emulated TP={tp} logp")
   assert_bitwise_equal(ent, ref_ent, f"emulated TP={tp} entropy")
 

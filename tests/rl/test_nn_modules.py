@@ -100,9 +100,11 @@ def test_det_matmul_projection_differs_control():
   assert not np.array_equal(bits(z_gemm), bits(_fused_logits(head, h)))
 
 
-@pytest.mark.parametrize("dtype,tied", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_argmax_logp_from_logits_equals_fused_bitwise(dtype, tied, entropy_bitwise=True):
+def _sampler_matches_fused(dtype, tied, *, implementation=None, entropy_bitwise=True):
+  """Sampler side (``head.logits`` then ``logp_from_logits`` of the argmax) against the
+  fused head: logp bitwise; entropy bitwise or within 1e-6; returns ``(head, h, z)``."""
   head = _head(dtype, tied)
+  head.implementation = implementation
   h = wide_rows(jax.random.key(6), T, H, dtype, spread=3)
   z = head.logits(h, temperature=0.7)
   t = jnp.argmax(z, axis=-1)
@@ -117,6 +119,12 @@ def test_argmax_logp_from_logits_equals_fused_bitwise(dtype, tied, entropy_bitwi
   lp_x = jax.nn.log_softmax(z, axis=-1)[jnp.arange(T), t]
   assert not np.array_equal(bits(lp_x), bits(lp_f))
   assert float(jnp.max(jnp.abs(lp_x - lp_f))) < 1e-4
+  return head, h, z
+
+
+@pytest.mark.parametrize("dtype,tied", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_argmax_logp_from_logits_equals_fused_bitwise(dtype, tied):
+  _sampler_matches_fused(dtype, tied)
 
 
 _ENTROPY_DEFECT = (
@@ -128,45 +136,37 @@ _ENTROPY_DEFECT = (
 
 @pytest.mark.gpu
 def test_argmax_logp_from_logits_equals_fused_bitwise_gpu():
-  test_argmax_logp_from_logits_equals_fused_bitwise(jnp.bfloat16, True, entropy_bitwise=False)
+  _sampler_matches_fused(jnp.bfloat16, True, entropy_bitwise=False)
   test_logits_are_the_fused_projection_bitwise(jnp.bfloat16, True, False)
 
 
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason=_ENTROPY_DEFECT)
 def test_sampler_entropy_equals_fused_bitwise_gpu():
-  test_argmax_logp_from_logits_equals_fused_bitwise(jnp.bfloat16, True)
+  _sampler_matches_fused(jnp.bfloat16, True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tied", [True, False])
-def test_argmax_logp_from_logits_equals_fused_bitwise_mosaic_gpu(tied, entropy_bitwise=False):
+def test_argmax_logp_from_logits_equals_fused_bitwise_mosaic_gpu(tied):
   """Hopper, implementation="mosaic": the logits are the fused Mosaic kernel's own
   accumulator (a store epilogue) and logits_logp reduces them in its wgmma register
   layout with its tile_epilogue code, so the sampler's logp is the trainer's bitwise."""
+  _mosaic_sampler_matches_fused(tied, entropy_bitwise=False)
+
+
+def _mosaic_sampler_matches_fused(tied, *, entropy_bitwise):
   from jaxrl_kernels import _backend
   if not _backend.is_hopper():
     pytest.skip("the Mosaic kernels need a Hopper GPU")
-  head = _head(jnp.bfloat16, tied)
-  head.implementation = "mosaic"
-  h = wide_rows(jax.random.key(6), T, H, jnp.bfloat16, spread=3)
-  z = head.logits(h, temperature=0.7)
-  t = jnp.argmax(z, axis=-1)
-  lp_s, ent_s = head.logp_from_logits(z, t, return_entropy=True)
-  lp_f, ent_f = head(h, t, temperature=0.7, return_entropy=True)
-  assert_bitwise_equal(lp_s, lp_f, "sampler logp vs fused logp")
-  if entropy_bitwise:
-    assert_bitwise_equal(ent_s, ent_f, "sampler entropy vs fused entropy")
-  else:
-    assert rel_err(ent_s, ent_f) < 1e-6, rel_err(ent_s, ent_f)
+  head, h, z = _sampler_matches_fused(jnp.bfloat16, tied, implementation="mosaic",
+                                      entropy_bitwise=entropy_bitwise)
   w, layout = _weight(head)
   hr = jnp.repeat(h, V, axis=0)
   tg = jnp.tile(jnp.arange(V, dtype=jnp.int32), T)
   _, _, _, tz = merge.tile_partials(hr, w, head._bias(), tg, weight_layout=layout,
                                     temperature=0.7, implementation="mosaic")
   assert_bitwise_equal(z, tz.reshape(T, V), "logits vs fused z")
-  lp_x = jax.nn.log_softmax(z, axis=-1)[jnp.arange(T), t]
-  assert not np.array_equal(bits(lp_x), bits(lp_f))
 
 
 def test_logits_gradients_vs_float64():
@@ -271,4 +271,4 @@ def test_tiny_lm_config_errors():
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason=_ENTROPY_DEFECT)
 def test_sampler_entropy_equals_fused_bitwise_mosaic_gpu():
-  test_argmax_logp_from_logits_equals_fused_bitwise_mosaic_gpu(False, entropy_bitwise=True)
+  _mosaic_sampler_matches_fused(False, entropy_bitwise=True)
