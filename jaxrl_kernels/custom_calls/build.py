@@ -25,6 +25,7 @@ Needs (no GPU is needed to build):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import importlib.util
 import os
@@ -40,18 +41,24 @@ import jax
 LIB_NAME = "libjaxrl_det_gemm_sm90.so"
 HANDLER_SYMBOLS = ("JaxrlDetGemmSm90",)
 _SRC_DIR = pathlib.Path(__file__).resolve().parent
-SOURCES = ("det_gemm_sm90.cu",)
+# The FFI handler and one translation unit per CUTLASS tile configuration,
+# compiled in parallel (the tiles dominate the build time) and linked together.
+SOURCES = ("det_gemm_sm90.cu", "det_gemm_sm90_tile_large.cu", "det_gemm_sm90_tile_medium.cu",
+           "det_gemm_sm90_tile_small.cu", "det_gemm_sm90_tile_tall.cu")
 # Shipped beside the sources; part of the cache key.
-_HEADERS = tuple(sorted(p.name for p in _SRC_DIR.glob("*.cuh")))
+_HEADERS = tuple(sorted(p.name for p in (*_SRC_DIR.glob("*.cuh"), *_SRC_DIR.glob("*.h"))))
 
 # sm_90a (not sm_90): wgmma and setmaxnreg exist only on the arch-specific target.
-NVCC_FLAGS = (
-    "-gencode", "arch=compute_90a,code=sm_90a",
-    "-std=c++17", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
-    "-DNDEBUG", "-shared", "-Xcompiler=-fPIC,-fvisibility=hidden",
+_ARCH_FLAGS = ("-gencode", "arch=compute_90a,code=sm_90a")
+COMPILE_FLAGS = (
+    *_ARCH_FLAGS, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+    "-DNDEBUG", "-Xcompiler=-fPIC,-fvisibility=hidden",
     # jaxlib 0.11 headers leave a new struct member uninitialised; some host
     # toolchains turn that warning into an error.
     "-Xcompiler=-w,-Wno-error=missing-field-initializers,-Wno-missing-field-initializers",
+)
+LINK_FLAGS = (
+    *_ARCH_FLAGS, "-shared",
     # cudart linked statically: the library needs no libcudart.so on the loader path.
     "-cudart=static",
 )
@@ -105,15 +112,35 @@ def _cutlass_util_dir(include: pathlib.Path) -> pathlib.Path | None:
       f"under {util}; point CUTLASS_INCLUDE_DIR at a full CUTLASS include tree")
 
 
-def nvcc_command(out_path: pathlib.Path) -> list[str]:
+def nvcc_commands(out_path: pathlib.Path, obj_dir: pathlib.Path
+                  ) -> tuple[list[list[str]], list[str]]:
+  """``(compile commands, one per source, link command)`` building ``out_path``."""
+  nvcc = find_nvcc()
   include = cutlass_include_dir()
-  cmd = [find_nvcc(), *NVCC_FLAGS, f"-I{include}"]
+  includes = [f"-I{include}"]
   util = _cutlass_util_dir(include)
   if util is not None:
-    cmd.append(f"-I{util}")
-  cmd += [f"-I{jax.ffi.include_dir()}", "-o", str(out_path)]
-  cmd += [str(_SRC_DIR / s) for s in SOURCES]
-  return cmd
+    includes.append(f"-I{util}")
+  includes.append(f"-I{jax.ffi.include_dir()}")
+  objs = [obj_dir / (pathlib.Path(src).stem + ".o") for src in SOURCES]
+  compiles = [[nvcc, *COMPILE_FLAGS, *includes, "-c", str(_SRC_DIR / src), "-o", str(obj)]
+              for src, obj in zip(SOURCES, objs)]
+  link = [nvcc, *LINK_FLAGS, *map(str, objs), "-o", str(out_path)]
+  return compiles, link
+
+
+def _jobs() -> int:
+  env = os.environ.get("JAXRL_KERNELS_BUILD_JOBS")
+  if env:
+    return max(1, int(env))
+  return max(1, min(len(SOURCES), os.cpu_count() or 1))
+
+
+def _run_nvcc(cmd: list[str]) -> None:
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode != 0:
+    raise RuntimeError(f"jaxrl_kernels cuda GEMM: nvcc failed (exit {proc.returncode}):\n"
+                       f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-20000:]}")
 
 
 def _nvcc_version(nvcc: str) -> str:
@@ -129,7 +156,7 @@ def cache_key() -> str:
   for name in (*SOURCES, *_HEADERS):
     h.update(name.encode())
     h.update((_SRC_DIR / name).read_bytes())
-  h.update(repr(NVCC_FLAGS).encode())
+  h.update(repr((COMPILE_FLAGS, LINK_FLAGS)).encode())
   h.update(_nvcc_version(find_nvcc()).encode())
   include = cutlass_include_dir()
   h.update((include / "cutlass" / "version.h").read_bytes())
@@ -158,15 +185,17 @@ def build(out_dir: str | os.PathLike | None = None, *, verbose: bool = False) ->
   # half-written library.
   fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out)
   os.close(fd)
-  cmd = nvcc_command(pathlib.Path(tmp))
-  if verbose:
-    print(" ".join(cmd), file=sys.stderr)
   start = time.monotonic()
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-      raise RuntimeError(f"jaxrl_kernels cuda GEMM: nvcc failed (exit {proc.returncode}):\n"
-                         f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-20000:]}")
+    with tempfile.TemporaryDirectory(prefix=".objs-", dir=out) as obj_dir:
+      compiles, link = nvcc_commands(pathlib.Path(tmp), pathlib.Path(obj_dir))
+      if verbose:
+        print("\n".join(" ".join(c) for c in (*compiles, link)), file=sys.stderr)
+      # One nvcc per translation unit, in parallel; the first failure is raised.
+      with concurrent.futures.ThreadPoolExecutor(_jobs()) as pool:
+        for f in [pool.submit(_run_nvcc, c) for c in compiles]:
+          f.result()
+      _run_nvcc(link)
     os.replace(tmp, lib)
   finally:
     if os.path.exists(tmp):

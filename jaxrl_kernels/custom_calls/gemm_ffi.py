@@ -5,8 +5,10 @@ The kernel (``det_gemm_sm90.cu``) computes, for bf16 or fp16 inputs,
   ``out[m, n] = sum_k op(lhs)[m, k] * op(rhs)[k, n]``
 
 with float32 accumulation over a fixed 64-wide K tile walked in ascending
-order (no split-K, no stream-K) and a single tile configuration for every
-shape, so row ``m`` of ``out`` is bitwise independent of M (CONTRACT.md §1).
+order (no split-K, no stream-K), so row ``m`` of ``out`` is bitwise
+independent of M (CONTRACT.md §1). The CUTLASS tile configuration (``TILES``)
+is a free knob picked per shape by :func:`tile_for`: every configuration runs
+the same wgmma chain per output element and gives the same bits (tested).
 Transposed operands are read in place through the TMA descriptors.
 
 The shared library is compiled with nvcc on first use (``build.py``) and
@@ -20,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_kernels import _backend
 from jaxrl_kernels.custom_calls import build
@@ -28,8 +31,17 @@ TARGET_NAME = "jaxrl_det_gemm_sm90"
 INPUT_DTYPES = ("bfloat16", "float16")
 # TMA: the contiguous dimension of every operand spans a multiple of 16 bytes.
 _ALIGN_BYTES = 16
-# Part of the numerical contract, mirrored from det_gemm_sm90.cu (kTileK).
+# Part of the numerical contract, mirrored from det_gemm_sm90_kernels.cuh (kTileK).
 TILE_K = 64
+# The CUTLASS tile configurations (det_gemm_sm90.h: TileId; the index is the FFI
+# attribute): name -> (CTA rows, CTA columns).
+TILES = {"large": (128, 256), "medium": (128, 128), "small": (64, 128), "tall": (256, 128)}
+# Time of a medium (128x128) tile in units of half a large (128x256) tile: the
+# smaller tile reads more operand bytes per flop. Fit on an H100 for the
+# cooperative 128x128 tile (1.05-1.23, session 4); the ping-pong tile that
+# replaced it measured 1.05 at M=1024, N=14336 (session 5). 1.12 makes the same
+# choices on every benchmark shape (benchmarks/results/gemm_h100.md).
+MEDIUM_TILE_COST = 1.12
 
 
 _LIBRARY: list[ctypes.CDLL] = []  # keeps the loaded library referenced
@@ -92,6 +104,35 @@ def _check_device() -> None:
     raise RuntimeError(f"matmul_cuda: implementation='cuda' needs a Hopper GPU (sm_90), but this "
                        f"GPU has compute capability {_backend.compute_capability()}; use "
                        f"implementation='triton'")
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def tile_for(m: int, n: int, sm_count: int) -> str:
+  """The tile configuration for an ``M x N`` output on ``sm_count`` SMs (a free knob).
+
+  * ``"small"`` (64x128, ping-pong) when the large tiles would occupy fewer
+    than half of the SMs (small M: M=64, 4096x4096 ran at 126 TFLOP/s instead
+    of 53 on an H100);
+  * else ``"medium"`` (128x128, ping-pong) when its waves of CTAs finish sooner than the
+    large tile's: ``ceil(tiles_medium / SMs) * MEDIUM_TILE_COST <
+    ceil(tiles_large / SMs) * 2`` (a poorly filled last wave of large tiles,
+    e.g. M=1024, N=14336: 448 large tiles are 3.4 waves on 132 SMs);
+  * else ``"large"`` (128x256).
+  """
+  large = _cdiv(m, 128) * _cdiv(n, 256)
+  if 2 * large < sm_count:
+    return "small"
+  medium = _cdiv(m, 128) * _cdiv(n, 128)
+  if _cdiv(medium, sm_count) * MEDIUM_TILE_COST < _cdiv(large, sm_count) * 2:
+    return "medium"
+  return "large"
+
+
+def _sm_count() -> int:
+  return int(getattr(jax.devices()[0], "core_count", None) or 132)
 
 
 def aligned_shape(m: int, n: int, k: int, *, lhs_transposed: bool, rhs_transposed: bool,
@@ -164,7 +205,9 @@ def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_tra
                     np_)
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, np_), out_dtype),
                           vmap_method="sequential")
-  out = call(lhs_p, rhs_p, lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed)
+  tile = list(TILES).index(tile_for(mp, np_, _sm_count()))
+  out = call(lhs_p, rhs_p, lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed,
+             tile=np.int32(tile))
   if (mp, np_) != (m, n):
     out = out[:m, :n]
   return out

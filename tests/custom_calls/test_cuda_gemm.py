@@ -113,6 +113,29 @@ def test_missing_cutlass_is_a_clear_runtime_error(monkeypatch):
     build.cutlass_include_dir()
 
 
+# ----------------------------------------------------------------------------- CPU: tile rule
+
+
+@pytest.mark.parametrize("m,n,expected", [
+    (64, 4096, "small"),      # 16 large tiles on 132 SMs
+    (256, 4096, "small"),     # 64 large tiles: fewer than half of the SMs
+    (256, 14336, "large"),    # 112 large tiles: one wave
+    (1024, 4096, "large"),    # 128 large tiles: one wave; medium would need two
+    (1024, 14336, "medium"),  # 448 large tiles = 3.4 waves; 896 medium = 6.8
+    (2048, 14336, "large"),   # 896 large tiles = 6.8 waves
+    (8192, 14336, "large"),
+])
+def test_tile_rule_on_132_sms(m, n, expected):
+  assert gemm_ffi.tile_for(m, n, 132) == expected
+  assert expected in gemm_ffi.TILES
+
+
+def test_tile_rule_follows_the_sm_count():
+  # 448 large tiles fill 4 full waves of 112 SMs: no reason for the smaller tile.
+  assert gemm_ffi.tile_for(1024, 14336, 112) == "large"
+  assert gemm_ffi.tile_for(1024, 14336, 132) == "medium"
+
+
 # ----------------------------------------------------------------------------- CPU: errors
 
 
@@ -255,7 +278,13 @@ def test_ffi_reports_unaligned_operands_as_an_error():
   b = jnp.ones((12, 16), jnp.bfloat16)
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((16, 16), jnp.bfloat16))
   with pytest.raises(Exception, match="contiguous dimension of every operand"):
-    jax.block_until_ready(call(a, b, lhs_transposed=False, rhs_transposed=False))
+    jax.block_until_ready(call(a, b, lhs_transposed=False, rhs_transposed=False,
+                               tile=np.int32(0)))
+  # A tile id outside det_gemm_sm90.h's TileId is refused by the handler too.
+  ok = jnp.ones((16, 16), jnp.bfloat16)
+  with pytest.raises(Exception, match=r"tile must be 0\.\.3, got 7"):
+    jax.block_until_ready(call(ok, ok, lhs_transposed=False, rhs_transposed=False,
+                               tile=np.int32(7)))
 
 
 @pytest.mark.gpu
@@ -370,12 +399,14 @@ def test_same_bits_as_mosaic(transpose_b):
 @hopper
 @pytest.mark.parametrize("lhs_t,rhs_t", LAYOUTS)
 def test_every_tile_gives_the_same_bits(lhs_t, rhs_t, monkeypatch):
-  """The large (128x256, cooperative) and small (64x128, ping-pong) CUTLASS tiles
-  and every CTA walk give the same bits: the choice between them is free, M included."""
+  """The four CUTLASS tiles (large 128x256 and tall 256x128 cooperative, medium
+  128x128 and small 64x128 ping-pong) and every CTA walk give the same
+  bits: the choice between them is free, M included."""
   a, b = _operands(jax.random.key(15), 704, 1536, 1024, "bfloat16", lhs_t, rhs_t, wide=True)
   outs = {}
-  for tile, swizzle, raster in (("large", "1", "h"), ("small", "1", "h"), ("large", "8", "m"),
-                                ("small", "2", "n")):
+  for tile, swizzle, raster in (("large", "1", "h"), ("small", "1", "h"), ("medium", "1", "h"),
+                                ("tall", "1", "h"), ("large", "8", "m"), ("small", "2", "n"),
+                                ("medium", "2", "m"), ("tall", "8", "n")):
     monkeypatch.setenv("JAXRL_DET_GEMM_TILE", tile)
     monkeypatch.setenv("JAXRL_DET_GEMM_SWIZZLE", swizzle)
     monkeypatch.setenv("JAXRL_DET_GEMM_RASTER", raster)
@@ -385,6 +416,27 @@ def test_every_tile_gives_the_same_bits(lhs_t, rhs_t, monkeypatch):
   first = next(iter(outs.values()))
   for key, o in outs.items():
     assert_bitwise_equal(o, first, f"tile/swizzle/raster {key} vs large/1/h")
+
+
+@pytest.mark.gpu
+@hopper
+def test_rows_are_invariant_across_the_tile_rule(monkeypatch):
+  """Without any override, tile_for picks small, medium and large tiles for M = 8,
+  1024 and 2048 at N = 14336: rows shared by the three calls have the same bits."""
+  for var in ("TILE", "SWIZZLE", "RASTER"):
+    monkeypatch.delenv(f"JAXRL_DET_GEMM_{var}", raising=False)
+  sms = gemm_ffi._sm_count()
+  k, n = 256, 14336
+  picked = [gemm_ffi.tile_for(m, n, sms) for m in (8, 1024, 2048)]
+  if sms == 132:
+    assert picked == ["small", "medium", "large"], picked
+  a = wide_rows(jax.random.key(16), 2048, k, "bfloat16")
+  b = jax.random.normal(jax.random.key(17), (k, n)).astype("bfloat16")
+  f = jax.jit(lambda a: _mm(a, b))
+  full = f(a)
+  for m in (8, 1024):
+    assert_bitwise_equal(f(a[:m]), full[:m], f"rows 0..{m} ({gemm_ffi.tile_for(m, n, sms)} "
+                         f"tile) vs M=2048 ({picked[-1]} tile)")
 
 
 @pytest.mark.gpu
