@@ -3,8 +3,10 @@
 from jaxrl_kernels.nn import checkpoint as checkpoint
 from jaxrl_kernels.nn.linear import DetLinear as DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead as LMHead
+from jaxrl_kernels.nn.lm_head import LogitStats as LogitStats
 from jaxrl_kernels.nn.lm_head import head_logits as head_logits
 from jaxrl_kernels.nn.lm_head import logits_logp as logits_logp
+from jaxrl_kernels.nn.lm_head import logp_from_stats as logp_from_stats
 from jaxrl_kernels.nn.sampler import SampleResult as SampleResult
 from jaxrl_kernels.nn.sampler import sample as sample
 from jaxrl_kernels.nn.sampler import score as score

@@ -11,12 +11,21 @@ Three ways to read the head, with one definition of the logits between them:
   the fused Triton kernel's ``logits_tile`` (same vocab tile, same ``block_h``
   walk over H, same ``TuningConfig``). Either way every logit has the bits of
   the fused path's projection.
+* ``head.logits(h, return_stats=True)``: the same logits plus :class:`LogitStats`
+  ``(lse, entropy)`` reduced by the projection kernel itself, on the registers
+  that hold the logit tile, with the fused kernel's per-tile statistics code.
+  :func:`logp_from_stats` then gives the log-prob of any token the sampler
+  picks: **the bitwise sampler path** (logp and entropy equal to the trainer's
+  ``head(h, targets, return_entropy=True)`` on every implementation; tested on
+  H100 with ``"mosaic"`` and ``"triton"`` and under the interpreter).
 * ``head.logp_from_logits(logits, targets)``: :func:`logits_logp`, log-probs of
-  given logits through the fused op's per-tile partials code (``"mosaic"``:
-  logit tiles loaded into the wgmma accumulator layout and reduced by the fused
-  kernel's ``tile_epilogue``; Triton / interpreter: ``tile_stats``) and its
-  ``merge_partials`` / ``finalize``, so that the sampler's log-prob of the token
-  it picked is bitwise the trainer's ``head(h, targets)``.
+  logits given after the fact, through the fused op's per-tile partials code
+  and its ``merge_partials`` / ``finalize``. A second kernel re-reads the
+  logits from memory, and GPU compilers may reduce them with another
+  instruction sequence than the fused epilogue: bitwise the trainer under the
+  interpreter, logp bitwise with ``"mosaic"`` (entropy within 1e-6), logp and
+  entropy within a relative 1e-6 with ``"triton"`` (H100: 2 of 37 rows differed
+  in the last bit). Use it for logits you did not produce with ``head.logits``.
 
 Why not ``det_matmul`` for the logits: its K tile is the GEMM's contract
 (32 for float32) while the fused kernel walks H in ``block_h`` steps (64 in
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +62,11 @@ _DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
 # ----------------------------------------------------------------------------- logits kernel
 
 
-def _logits_kernel(*refs, t, h, v, n_t, n_v, has_bias, group_t, **tile_kw):
-  if has_bias:
-    h_ref, w_ref, b_ref, o_ref = refs
-  else:
-    h_ref, w_ref, o_ref = refs
-    b_ref = None
+def _logits_kernel(*refs, t, h, v, n_t, n_v, has_bias, group_t, stats, interpret, **tile_kw):
+  refs = list(refs)
+  h_ref, w_ref = refs[:2]
+  b_ref = refs[2] if has_bias else None
+  o_ref, *stat_refs = refs[2 + int(has_bias):]
   i, j = _fwd.swizzle(pl.program_id(0), n_t, n_v, group_t)
   row0 = i * tile_kw["block_t"]
   col0 = j * VOCAB_TILE
@@ -66,14 +75,24 @@ def _logits_kernel(*refs, t, h, v, n_t, n_v, has_bias, group_t, **tile_kw):
                                              v_local=v, **tile_kw)
   pltriton.store(o_ref.at[pl.ds(row0, tile_kw["block_t"]), pl.ds(col0, VOCAB_TILE)], z,
                  mask=row_ok[:, None] & col_ok[None, :])
+  if stats:
+    # linear_logp_fwd._partials_kernel's reduction of the same registers, in the
+    # same kernel: a from-logits kernel (logits_logp), whose z is a load, compiled
+    # u = sum e (z - m) differently on an H100 (last bit, a few rows).
+    m, s, u = _fwd.tile_stats(z, col_ok, interpret=interpret)
+    for ref, x in zip(stat_refs, (m, s, u)):
+      pltriton.store(ref.at[j, pl.ds(row0, tile_kw["block_t"])], x, mask=row_ok)
 
 
-def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, impl):
+def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, impl,
+                 stats: bool = False):
+  """``z [T, V]``, or ``(z, (m, s, u))`` with the fused op's per-tile partials."""
   if impl == "mosaic":
     from jaxrl_kernels.pallas import linear_logp_mosaic
 
     return linear_logp_mosaic.logits(hidden2d, weight, bias, layout=layout,
-                                     temperature=temperature, compute_dtype=compute_dtype)
+                                     temperature=temperature, compute_dtype=compute_dtype,
+                                     return_stats=stats)
   interpret = impl == "interpret"
   t, hd = hidden2d.shape
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
@@ -84,16 +103,20 @@ def _logits_call(hidden2d, weight, bias, layout, temperature, compute_dtype, imp
       _logits_kernel, t=t, h=hd, v=v, n_t=n_t, n_v=n_v, has_bias=bias is not None,
       group_t=cfg.group_t, block_t=cfg.block_t, block_h=cfg.block_h, layout=layout,
       temperature=float(temperature), compute_dtype=jnp.dtype(compute_dtype),
-      precision=_fwd.dot_precision(compute_dtype, interpret))
+      precision=_fwd.dot_precision(compute_dtype, interpret), stats=stats, interpret=interpret)
   args = [hidden2d, weight] + ([] if bias is None else [bias])
-  return pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((t, v), jnp.float32)]
+  if stats:
+    out_shape += [jax.ShapeDtypeStruct((n_v, t), jnp.float32)] * 3
+  out = pl.pallas_call(
       kernel,
       grid=(n_t * n_v,),
-      out_shape=jax.ShapeDtypeStruct((t, v), jnp.float32),
+      out_shape=tuple(out_shape),
       interpret=interpret,
       name="lm_head_logits",
       **_fwd.compiler_params(cfg, interpret),
   )(*args)
+  return (out[0], tuple(out[1:])) if stats else out[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -131,7 +154,7 @@ _logits.defvjp(_logits_fwd, _logits_bwd)
 
 def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None = None,
                 temperature: float = 1.0, weight_layout: str = "hv", fp32_head: bool = False,
-                implementation: str | None = None) -> jax.Array:
+                return_stats: bool = False, implementation: str | None = None):
   """Float32 logits ``z = (hidden @ W + bias) / temperature`` with the fused op's bits.
 
   Each ``[block_t, VOCAB_TILE]`` tile is computed by ``linear_logp``'s own
@@ -147,13 +170,21 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
     weight_layout: ``"hv"`` or ``"vh"``.
     fp32_head: tiles are upcast to float32 before the product (no fp32 copy of
       the weight); otherwise ``hidden`` and ``weight`` must share a dtype.
+    return_stats: also return :class:`LogitStats` ``(lse, entropy)`` of each
+      row, reduced inside the logits kernel from the same registers by the
+      fused op's own per-tile code (``"mosaic"``: ``tile_epilogue``; Triton /
+      interpreter: ``tile_stats``) and merged by its ``merge_partials``: the
+      entropy is bitwise ``linear_logp(..., return_entropy=True)``'s and
+      :func:`logp_from_stats` gives its log-probs bitwise. Sampler-side: no
+      gradient flows through either output.
     implementation: ``"mosaic"`` (Hopper, bf16/fp16), ``"triton"``,
       ``"interpret"``, ``"xla"`` (plain ``jnp.dot``: not bitwise anything) or
       None (by device and dtype, as ``linear_logp`` picks: the logits carry
       the bits of that implementation's fused op).
 
   Returns:
-    ``[..., V]`` float32. Gradients w.r.t. hidden, weight and bias run on ``det_matmul``.
+    ``[..., V]`` float32 (and :class:`LogitStats` of ``[...]`` float32 arrays).
+    Gradients of the logits w.r.t. hidden, weight and bias run on ``det_matmul``.
 
   >>> import jax.numpy as jnp
   >>> head_logits(jnp.ones((2, 4)), jnp.ones((4, 3)), implementation="interpret").tolist()
@@ -185,7 +216,14 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
   lead = hidden.shape[:-1]
   h2 = hidden.reshape(math.prod(lead), hd)
   if h2.shape[0] == 0:
-    return jnp.zeros((*lead, v), jnp.float32)
+    z0 = jnp.zeros((*lead, v), jnp.float32)
+    empty = jnp.zeros(lead, jnp.float32)
+    return (z0, LogitStats(empty, empty)) if return_stats else z0
+  if return_stats:
+    z, lse, ent = _logits_and_stats(lax.stop_gradient(h2), lax.stop_gradient(weight),
+                                    None if bias is None else lax.stop_gradient(bias),
+                                    weight_layout, float(temperature), compute_dtype, impl)
+    return z.reshape(*lead, v), LogitStats(lse.reshape(lead), ent.reshape(lead))
   if impl == "xla":
     w = weight.T if weight_layout == "vh" else weight
     z = jnp.dot(h2.astype(compute_dtype), w.astype(compute_dtype),
@@ -197,6 +235,57 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
   else:
     z = _logits(h2, weight, bias, weight_layout, float(temperature), compute_dtype.name, impl)
   return z.reshape(*lead, v)
+
+
+def _logits_and_stats(h2, weight, bias, layout, temperature, compute_dtype, impl):
+  """``(z [T, V], lse [T], entropy [T])`` for :func:`head_logits` (no gradient)."""
+  if impl == "xla":
+    w = weight.T if layout == "vh" else weight
+    z = jnp.dot(h2.astype(compute_dtype), w.astype(compute_dtype),
+                preferred_element_type=jnp.float32,
+                precision=lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None)
+    if bias is not None:
+      z = z + bias.astype(jnp.float32)
+    z = z / jnp.float32(temperature) if temperature != 1.0 else z
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return z, lse, lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+  z, (m, s, u) = _logits_call(h2, weight, bias, layout, temperature, compute_dtype.name, impl,
+                              stats=True)
+  lse, _, ent = merge.merge_partials(m, s, u, implementation=impl)
+  return z, lse, ent
+
+
+class LogitStats(NamedTuple):
+  """Row statistics of sampler logits ``z`` (:func:`head_logits` with ``return_stats``).
+
+  Attributes:
+    lse: ``[...]`` float32 ``logsumexp(z)``.
+    entropy: ``[...]`` float32 ``lse - sum softmax(z) z``.
+  """
+
+  lse: jax.Array
+  entropy: jax.Array
+
+
+def logp_from_stats(logits: jax.Array, stats: LogitStats, targets: jax.Array,
+                    mask: jax.Array | None = None) -> jax.Array:
+  """``logp = logits[..., t] - lse``: for ``(logits, stats) = head_logits(h, W, ...,
+  return_stats=True)``, bitwise ``linear_logp(h, W, targets, ...)`` (the fused op's
+  ``finalize`` on the same target logit and ``lse``). NaN for active ids outside
+  ``[0, V)``; 0 where ``mask`` is False."""
+  logits = jnp.asarray(logits)
+  targets = jnp.asarray(targets)
+  if targets.shape != logits.shape[:-1] or stats.lse.shape != targets.shape:
+    raise ValueError(f"logp_from_stats: targets and stats.lse must have shape "
+                     f"{logits.shape[:-1]}, got {targets.shape} and {stats.lse.shape}")
+  if mask is not None and (mask.shape != targets.shape or mask.dtype != jnp.bool_):
+    raise ValueError(f"logp_from_stats: mask must be bool of shape {targets.shape}, got "
+                     f"{mask.dtype} {mask.shape}")
+  v = logits.shape[-1]
+  t = targets.astype(jnp.int32)
+  tz = jnp.take_along_axis(logits, jnp.clip(t, 0, v - 1)[..., None], axis=-1)[..., 0]
+  logp, _ = merge.finalize(tz, stats.lse, stats.entropy, t, mask, v)
+  return logp
 
 
 # ------------------------------------------------------------------------ logp from logits
@@ -236,11 +325,15 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
   ``logp = z[t] - logsumexp(z)``, ``entropy = logsumexp(z) - sum softmax(z) z``,
   computed from per-``VOCAB_TILE`` partials merged in ascending tile order by
   ``linear_logp``'s ``merge_partials`` and ``finalize``. For ``logits =
-  head_logits(h, W, ...)`` the result is bitwise ``linear_logp(h, W, targets,
-  ...)`` with the same implementation (tested under the Pallas interpreter and,
-  ``gpu``-marked, with ``"mosaic"`` on Hopper: there the logit tiles are loaded
-  into the fused kernel's wgmma accumulator layout and reduced by its own
-  ``tile_epilogue``). No gradient (a sampler-side function).
+  head_logits(h, W, ...)`` and the same implementation the result is bitwise
+  ``linear_logp(h, W, targets, ...)`` under the Pallas interpreter; with
+  ``"mosaic"`` on Hopper (the logit tiles are loaded into the fused kernel's
+  wgmma accumulator layout and reduced by its own ``tile_epilogue``) the logp is
+  bitwise and the entropy within a relative 1e-6; with ``"triton"`` on a GPU
+  both are within a relative 1e-6 (not bitwise: the compiled reduction of
+  re-read logits may differ from the fused epilogue's). For the bitwise
+  sampler path use ``head_logits(..., return_stats=True)`` and
+  :func:`logp_from_stats`. No gradient (a sampler-side function).
 
   Args:
     logits: ``[..., V]`` float32 (already divided by the temperature).
@@ -369,18 +462,21 @@ class LMHead(nnx.Module):
                        weight_layout=self.weight_layout, fp32_head=self.fp32_head,
                        implementation=self.implementation)
 
-  def logits(self, h: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """``[..., H]`` -> float32 ``[..., V]`` logits, bitwise the fused path's projection."""
+  def logits(self, h: jax.Array, temperature: float = 1.0, return_stats: bool = False):
+    """``[..., H]`` -> float32 ``[..., V]`` logits, bitwise the fused path's projection
+    (and, with ``return_stats``, :class:`LogitStats` whose entropy is bitwise
+    ``self(h, t, ..., temperature, return_entropy=True)``'s and with which
+    :func:`logp_from_stats` gives ``self(h, t, ..., temperature)`` bitwise)."""
     return head_logits(self._hidden(h), self._weight(), bias=self._bias(),
                        temperature=temperature, weight_layout=self.weight_layout,
-                       fp32_head=self.fp32_head, implementation=self.implementation)
+                       fp32_head=self.fp32_head, return_stats=return_stats,
+                       implementation=self.implementation)
 
   def logp_from_logits(self, logits: jax.Array, targets: jax.Array,
                        mask: jax.Array | None = None, return_entropy: bool = False):
-    """Log-probs of ``self.logits(h, temperature)`` output: bitwise ``self(h, targets, ...,
-    temperature)`` (see :func:`logits_logp`; on Hopper bf16/fp16 through the Mosaic
-    kernels: the logp bitwise, the entropy within an ulp for a few tokens, a known defect;
-    tests/rl/test_nn_modules.py::test_argmax_logp_from_logits_equals_fused_bitwise_gpu)."""
+    """Log-probs of given logits (see :func:`logits_logp` for how close to ``self(h,
+    targets, ..., temperature)`` they are on each implementation). For bitwise sampler
+    log-probs use ``self.logits(h, T, return_stats=True)`` and :func:`logp_from_stats`."""
     impl = None if self.implementation == "xla" else self.implementation
     return logits_logp(logits, targets, mask=mask, return_entropy=return_entropy,
                        compute_dtype=self.compute_dtype, implementation=impl)

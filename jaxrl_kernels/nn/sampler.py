@@ -21,6 +21,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl_kernels.nn.lm_head import logp_from_stats
 from jaxrl_kernels.nn.tiny_lm import TinyCausalLM
 
 
@@ -58,10 +59,12 @@ def _generate(model: TinyCausalLM, prompts, prompt_lengths, key, *, max_new_toke
   def emit(h, state, i):
     """Samples token ``i`` of every row from ``h`` and records it."""
     tokens, mask, logp, done = state
-    # Choosing may read any logits; the reported log-prob is the trainer's op.
-    logits = model.head.logits(h, temperature=temperature)
+    # One head pass: the logits and their row statistics come out of the same kernel,
+    # reduced by the fused op's own per-tile code, so the reported log-prob is the
+    # trainer's ``model.head(h, tok)`` bit for bit (stock path: a plain log-softmax).
+    logits, stats = model.head.logits(h, temperature=temperature, return_stats=True)
     tok = jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
-    lp = model.head(h, tok, temperature=temperature)
+    lp = logp_from_stats(logits, stats, tok)
     live = ~done
     at = prompt_lengths + i
     tokens = tokens.at[rows, at].set(jnp.where(live, tok, 0))
@@ -91,9 +94,11 @@ def sample(model: TinyCausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *
            eos_id: int | None = None) -> SampleResult:
   """Samples ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
-  Prefills the prompts, then per step: logits ``model.head.logits(h, T)``,
+  Prefills the prompts, then per step: logits and their statistics
+  ``model.head.logits(h, T, return_stats=True)`` (one head pass),
   ``token ~ categorical(fold_in(key, step), logits)``, its log-prob
-  ``model.head(h, token, temperature=T)``, then ``model.decode_step``.
+  ``logp_from_stats`` (bitwise ``model.head(h, token, temperature=T)`` on the
+  kernel paths), then ``model.decode_step``.
 
   Args:
     model: a :class:`TinyCausalLM`.

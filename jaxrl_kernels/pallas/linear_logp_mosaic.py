@@ -91,7 +91,7 @@ def tile_epilogue(z, col_ids, tg, *, valid_vocab: int):
   ``col_ids``: int32 local column index per element; ``tg``: int32 ``[rows]``
   local target ids (anything when not in the tile). Columns ``>= valid_vocab``
   are masked to -inf. The one definition shared by the fused kernel and the
-  from-logits kernel: the same ops on the same register layout give the same bits.
+  from-logits kernel: the same ops on the same register layout.
   """
   col_ok = col_ids < valid_vocab
   z = jnp.where(col_ok, z, -jnp.inf)
@@ -138,15 +138,14 @@ def _smem_transforms(minor_elems: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, logits_only: bool,
-            valid_vocab: int, n_tiles: int, temperature: float, cfg: MosaicLogpConfig):
+def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logits: bool,
+            stats: bool, valid_vocab: int, n_tiles: int, temperature: float,
+            cfg: MosaicLogpConfig):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
-  if logits_only:
-    (z_gmem,) = refs
-    tg_gmem = None
-  else:
-    tg_gmem, *outs = refs
+  tg_gmem = refs.pop(0) if stats else None
+  z_gmem = refs.pop(0) if store_logits else None
+  outs = refs  # [packed statistics] when stats
   itemsize = jnp.dtype(h_gmem.dtype).itemsize
   tm = cfg.tile_m
   m_iters, n_iters, k_iters = pl.cdiv(m, tm), pl.cdiv(n, _CTA_N), pl.cdiv(k, TILE_K)
@@ -166,11 +165,11 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, logits_onl
         compute_context=compute_context)
 
   ignore = lambda *_, **__: None  # noqa: E731
-  n_vec = int(has_bias) + int(not logits_only)
+  n_vec = int(has_bias) + int(stats)
   scoped = dict(allocs=make_pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem))
-  if logits_only:
-    scoped["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
-  else:
+  if store_logits:
+    scoped["z_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
+  if stats:
     scoped["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, PACK), jnp.float32)
     scoped["tg_smem"] = plgpu.SMEM((_NUM_WGS, tm), jnp.int32)
   if has_bias:
@@ -179,7 +178,7 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, logits_onl
     scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=n_vec, num_barriers=_NUM_WGS)
 
   @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-  def _scope(allocs, out_smem, tg_smem=None, b_smem=None, vec_barriers=None):
+  def _scope(allocs, z_smem=None, out_smem=None, tg_smem=None, b_smem=None, vec_barriers=None):
     wg = lax.axis_index("wg")
     minor = 0 if cfg.grid_minor == "m" else 1
 
@@ -218,18 +217,18 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, logits_onl
           for c in range(tm // EPI_ROWS):
             rows = pl.ds(c * EPI_ROWS, EPI_ROWS)
             z = _scale(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temperature)
-            if logits_only:
+            if store_logits:
               if c:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              out_smem[wg] = z
+              z_smem[wg] = z
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg],
+                  z_smem.at[wg],
                   z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
-            else:
-              stats = tile_epilogue(z, col_ids, tg_smem[wg, rows], valid_vocab=valid_vocab)
-              packed = _pack(packed, pack_ids, stats, c)
-          if not logits_only:
+            if stats:
+              row_stats = tile_epilogue(z, col_ids, tg_smem[wg, rows], valid_vocab=valid_vocab)
+              packed = _pack(packed, pack_ids, row_stats, c)
+          if stats:
             out_smem[wg] = packed
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg],
@@ -251,13 +250,15 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, logits_onl
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fit(cfg: MosaicLogpConfig, itemsize: int, logits_only: bool) -> MosaicLogpConfig:
+def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
+         stats: bool) -> MosaicLogpConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
   stage = (cfg.tile_m + _CTA_N) * TILE_K * itemsize
-  if logits_only:
-    extra = _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
-  else:
-    extra = _NUM_WGS * (5 * cfg.tile_m + VOCAB_TILE) * 4
+  extra = _NUM_WGS * VOCAB_TILE * 4  # bias
+  if store_logits:
+    extra += _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
+  if stats:
+    extra += _NUM_WGS * 5 * cfg.tile_m * 4
   steps = cfg.max_concurrent_steps
   while steps > 2 and steps * stage + extra > _SMEM_BYTES:
     steps -= 1
@@ -302,11 +303,11 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
 
 
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, n_tiles, m_run,
-          n_run, logits_only, cfg: MosaicLogpConfig, out_type, name):
+          n_run, store_logits, stats, cfg: MosaicLogpConfig, out_type, name):
   k = hidden.shape[1]
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
-      logits_only=logits_only, valid_vocab=valid_vocab, n_tiles=n_tiles,
+      store_logits=store_logits, stats=stats, valid_vocab=valid_vocab, n_tiles=n_tiles,
       temperature=float(temperature), cfg=cfg)
   f = plgpu.kernel(
       kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",),
@@ -343,7 +344,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   itemsize = jnp.dtype(compute_dtype).itemsize
-  cfg = _fit(cfg, itemsize, logits_only=False)
+  cfg = _fit(cfg, itemsize, store_logits=False, stats=True)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
   tg = jnp.pad(targets.astype(jnp.int32) - jnp.int32(vocab_offset), (0, m_run - t))
   n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS  # the last CTA may hold a tile past the vocab
@@ -351,7 +352,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   packed = _call(
       h2, w2, b2, (tg,), layout=layout, temperature=temperature,
       valid_vocab=v if valid_vocab is None else valid_vocab, n_tiles=n_tiles, m_run=m_run,
-      n_run=n_run, logits_only=False, cfg=cfg,
+      n_run=n_run, store_logits=False, stats=True, cfg=cfg,
       out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),),
       name="linear_logp_tile_partials_mosaic")[0]
   m, s, u, tzp = _unpack(packed, n_tiles, t, cfg.tile_m)
@@ -361,23 +362,45 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
 
 
 def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, layout: str,
-           temperature: float, compute_dtype, config: MosaicLogpConfig | None = None):
+           temperature: float, compute_dtype, return_stats: bool = False,
+           config: MosaicLogpConfig | None = None):
   """Float32 ``[T, V]`` logits ``(h W + b) / temperature``: bitwise the ``z`` that
-  :func:`tile_partials` reduces (the same kernel, with a store epilogue)."""
+  :func:`tile_partials` reduces (the same kernel, with a store epilogue).
+
+  With ``return_stats``, also ``(m, s, u)`` (``[n_tiles, T]`` each), reduced
+  from the same accumulator registers by the same :func:`tile_epilogue` as in
+  :func:`tile_partials`, in the same kernel: the sampler's entropy is then the
+  fused op's by construction (the from-logits kernel, whose logits come from
+  memory in another kernel, gave a last-bit difference on a few rows).
+  """
   if not supported(compute_dtype):
     raise TypeError(f"head_logits(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
   cfg = config or MosaicLogpConfig()
   t = hidden2d.shape[0]
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
-  cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, logits_only=True)
+  n_tiles = pl.cdiv(v, VOCAB_TILE)
+  cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
   n_out = _round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
-  z = _call(h2, w2, b2, (), layout=layout, temperature=temperature, valid_vocab=v,
-            n_tiles=pl.cdiv(v, VOCAB_TILE), m_run=m_run, n_run=n_run, logits_only=True,
-            cfg=cfg, out_type=jax.ShapeDtypeStruct((m_run, n_out), jnp.float32),
-            name="lm_head_logits_mosaic")
-  return z[:t, :v] if (m_run, n_out) != (t, v) else z
+  out_type = [jax.ShapeDtypeStruct((m_run, n_out), jnp.float32)]
+  extra = ()
+  if return_stats:
+    # No row's target is in any tile (tz unused): the same epilogue code as tile_partials.
+    extra = (jnp.full((m_run,), -1, jnp.int32),)
+    n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS
+    m_iters = pl.cdiv(m_run, cfg.tile_m)
+    out_type.append(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32))
+  outs = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
+               n_tiles=n_tiles, m_run=m_run, n_run=n_run, store_logits=True,
+               stats=return_stats, cfg=cfg, out_type=tuple(out_type),
+               name="lm_head_logits_mosaic")
+  z = outs[0]
+  z = z[:t, :v] if (m_run, n_out) != (t, v) else z
+  if not return_stats:
+    return z
+  m, s, u, _ = _unpack(outs[1], n_tiles, t, cfg.tile_m)
+  return z, (m, s, u)
 
 
 def _from_logits_kernel(z_gmem, tg_gmem, *outs, valid_vocab: int):
