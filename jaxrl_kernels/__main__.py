@@ -14,15 +14,19 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from jaxrl_kernels import parity
+from jaxrl_kernels import _backend, parity
 
 COMMANDS = ("parity", "kernels", "grpo-demo")
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  # Before JAX starts its backends: interpreted kernels on the CPU without FMA contraction
+  # (see jaxrl_kernels/_backend.py; a --xla_cpu_max_isa of the user's own stands).
+  os.environ["XLA_FLAGS"] = _backend.no_fma_xla_flags()
   if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
     argv = ["parity", *argv]
   if argv[0] == "grpo-demo":  # its own parser: every later argument is the demo's

@@ -9,14 +9,29 @@ Every op takes ``implementation=`` with the same names:
 * ``"cuda"``: the XLA FFI CUDA custom call (Hopper), where an op has one.
 * ``"xla"``: plain XLA ops. A reference and benchmark baseline only: it is
   **not** batch-invariant and is never chosen automatically.
+
+Interpreted kernels and FMA contraction. The Pallas interpreter hands the
+kernel body to XLA's CPU compiler, which fuses it with the code around it and
+lets LLVM contract ``a * b + c`` into one fused multiply-add wherever the CPU
+has FMA. Whether a given product is contracted then depends on the fusion, so
+on an FMA machine one row's bits can change with the shape of the call (seen:
+``lse`` of row 4 of the merge kernel differed between T = 13 and T = 96 rows,
+AMD EPYC, AVX2 + FMA). With ``XLA_FLAGS=--xla_cpu_max_isa=AVX`` (no FMA
+instructions: every operation rounds on its own) the interpreter's bits are a
+function of the row alone again. :func:`cpu_contracts_fma` probes for the
+contraction; resolving ``"interpret"`` warns once (:class:`FMAContractionWarning`)
+when it is on. The test suite and ``python -m jaxrl_kernels`` set the flag.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 IMPLEMENTATIONS = ("mosaic", "triton", "interpret", "cuda", "xla")
 
@@ -43,6 +58,57 @@ def is_hopper() -> bool:
   return compute_capability() == (9, 0)
 
 
+#: Appended to ``XLA_FLAGS`` (before JAX starts its backends) by the test suite and
+#: the command line: no FMA contraction in XLA's CPU code, see the module docstring.
+CPU_NO_FMA_FLAG = "--xla_cpu_max_isa=AVX"
+
+
+class FMAContractionWarning(RuntimeWarning):
+  """Interpreted kernels run where XLA's CPU compiler contracts ``a * b + c``."""
+
+
+def no_fma_xla_flags(flags: str | None = None) -> str:
+  """``XLA_FLAGS`` with :data:`CPU_NO_FMA_FLAG` added unless a ``--xla_cpu_max_isa``
+  is already there (then the caller's choice stands)."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  if "--xla_cpu_max_isa" in flags:
+    return flags
+  return f"{flags} {CPU_NO_FMA_FLAG}".strip()
+
+
+@functools.cache
+def cpu_contracts_fma() -> bool:
+  """Whether XLA's CPU compiler contracts ``a * b + c`` into a fused multiply-add here.
+
+  Compiles ``a * b + c`` on float32 operands chosen so that the fused and the
+  separately rounded results differ, and compares (eagerly, also when called
+  while a function is being traced).
+  """
+  a = np.float32(1.0 + 2.0 ** -12)
+  c = -np.float32(1.0 + 2.0 ** -11)  # a*a = 1 + 2^-11 + 2^-24: the 2^-24 rounds away
+  x = np.full((64,), a, np.float32)
+  y = np.full((64,), c, np.float32)
+  cpu = jax.devices("cpu")[0]
+  with jax.ensure_compile_time_eval():
+    x, y = jax.device_put(x, cpu), jax.device_put(y, cpu)
+    out = np.asarray(jax.jit(lambda p, q: p * p + q).lower(x, y).compile()(x, y))
+  return bool(np.any(out != 0.0))
+
+
+def _warn_if_fma_contraction() -> None:
+  if cpu_contracts_fma() and not _warned:
+    _warned.append(True)
+    warnings.warn(
+        "jaxrl_kernels: XLA's CPU compiler contracts a*b+c into fused multiply-adds on this "
+        "machine, depending on how it fuses the interpreted kernels with the code around "
+        "them, so implementation='interpret' results are not guaranteed bitwise invariant "
+        f"to batch size or chunking. Set XLA_FLAGS='{CPU_NO_FMA_FLAG}' (with your other "
+        "flags) before JAX starts.", FMAContractionWarning, stacklevel=3)
+
+
+_warned: list[bool] = []
+
+
 def default_implementation(dtype, *, has_mosaic_dtype=("bfloat16", "float16")) -> str:
   """The implementation picked when the caller passes ``implementation=None``."""
   if platform() == "gpu":
@@ -63,6 +129,8 @@ def resolve(op: str, implementation: str | None, dtype, *, supported=IMPLEMENTAT
     implementation = default_implementation(dtype, has_mosaic_dtype=mosaic_dtypes)
     if implementation not in supported:
       implementation = "triton" if platform() == "gpu" else "interpret"
+    if implementation == "interpret":
+      _warn_if_fma_contraction()
     return implementation
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -83,4 +151,6 @@ def resolve(op: str, implementation: str | None, dtype, *, supported=IMPLEMENTAT
     raise TypeError(
         f"{op}: implementation='mosaic' supports {mosaic_dtypes} inputs, got "
         f"{jnp.dtype(dtype).name}; use implementation='triton' (fp32 runs there as 3xTF32)")
+  if implementation == "interpret":
+    _warn_if_fma_contraction()
   return implementation

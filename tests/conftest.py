@@ -5,11 +5,16 @@ import os
 import jax
 import pytest
 
+from jaxrl_kernels import _backend
+
 # Tests are fast on CPU; make sure 8 host devices exist for mesh tests even if the
 # caller forgot XLA_FLAGS (it must be set before jax initialises its backends).
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
+# No FMA contraction in XLA's CPU code: the interpreted kernels' bits must not depend on
+# how XLA fuses them (jaxrl_kernels/_backend.py explains; test_backend.py checks).
+os.environ["XLA_FLAGS"] = _backend.no_fma_xla_flags()
 
 
 def _has_gpu() -> bool:
