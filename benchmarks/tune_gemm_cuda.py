@@ -3,7 +3,7 @@
   XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD \
       python benchmarks/tune_gemm_cuda.py [--shapes M,K,N;...] [--sweep walk|tile]
 
-The knobs are read from ``JAXRL_DET_GEMM_TILE`` (large/medium/small/tall),
+The knobs are read from ``JAXRL_DET_GEMM_TILE`` (large/medium/small),
 ``JAXRL_DET_GEMM_SWIZZLE`` and ``JAXRL_DET_GEMM_RASTER`` at every call
 (det_gemm_sm90.cu: ``TileFor``; det_gemm_sm90_kernels.cuh: ``SchedulerKnobs``), so one compiled
 program is re-timed under each setting (command buffers off, or a captured
@@ -30,7 +30,7 @@ TILE_SHAPES = [(64, 4096, 4096), (256, 4096, 4096), (256, 4096, 14336), (256, 14
                (1024, 4096, 4096), (1024, 4096, 14336), (1024, 14336, 4096), (2048, 4096, 14336),
                (4096, 4096, 14336), (8192, 4096, 14336)]
 # Each tile with the default walk ("" = unset: the rule in SchedulerKnobs).
-TILES = [("large", "", ""), ("medium", "", ""), ("small", "", ""), ("tall", "", "")]
+TILES = [("large", "", ""), ("medium", "", ""), ("small", "", "")]
 
 
 def main():

@@ -57,14 +57,13 @@ ffi::Error CudaError(const char* what, cudaError_t err) {
 
 // The tile configuration: the `tile` attribute, chosen by the caller from the
 // shape (gemm_ffi.py: tile_for), unless JAXRL_DET_GEMM_TILE (large, medium,
-// small, tall) overrides it, for tuning (benchmarks/tune_gemm_cuda.py); read
+// small) overrides it, for tuning (benchmarks/tune_gemm_cuda.py); read
 // at every call. All tiles give the same bits.
 int TileFor(int32_t tile_attr) {
   if (const char* t = std::getenv("JAXRL_DET_GEMM_TILE"); t != nullptr && *t != '\0') {
     if (std::strcmp(t, "large") == 0) return det_gemm::kLarge;
     if (std::strcmp(t, "medium") == 0) return det_gemm::kMedium;
     if (std::strcmp(t, "small") == 0) return det_gemm::kSmall;
-    if (std::strcmp(t, "tall") == 0) return det_gemm::kTall;
   }
   return tile_attr;
 }
@@ -82,9 +81,6 @@ ffi::Error RunTiled(int tile, cudaStream_t stream, int m, int n, int k, const vo
     case det_gemm::kSmall:
       return ToFfi(RunTile<det_gemm::kSmall, kIn, kOut, kLhsT, kRhsT>(stream, m, n, k, lhs, rhs,
                                                                       out));
-    case det_gemm::kTall:
-      return ToFfi(RunTile<det_gemm::kTall, kIn, kOut, kLhsT, kRhsT>(stream, m, n, k, lhs, rhs,
-                                                                     out));
     default:
       return ffi::Error::InvalidArgument("jaxrl_det_gemm_sm90: tile must be 0.." +
                                          std::to_string(det_gemm::kNumTiles - 1) + ", got " +

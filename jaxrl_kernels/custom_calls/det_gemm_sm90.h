@@ -17,8 +17,8 @@ namespace det_gemm {
 // computes each output element as the same chain of m64nNk16 wgmma steps over
 // ascending 64-wide K tiles with one fp32 accumulator, so they give the same
 // bits. The numbering is the FFI attribute `tile` (gemm_ffi.py: TILES).
-enum TileId : int { kLarge = 0, kMedium = 1, kSmall = 2, kTall = 3 };
-constexpr int kNumTiles = 4;
+enum TileId : int { kLarge = 0, kMedium = 1, kSmall = 2 };
+constexpr int kNumTiles = 3;
 // Element types: the input type and the output type of the kernel.
 enum DtypeId : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 

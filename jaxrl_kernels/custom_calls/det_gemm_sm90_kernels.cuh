@@ -76,14 +76,9 @@ struct SmallTile {
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-// Tall: 256x128 cooperative (128 rows per warpgroup, two m64n128 wgmma per k16
-// step), 2x1 cluster: LargeTile's tile area, with the A tile twice as tall.
-struct TallTile {
-  using TileShape = Shape<_256, _128, Int<kTileK>>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
+// Tried and dropped (H100 sweeps, benchmarks/results/gemm_h100.md sessions 4-5):
+// 256x128 cooperative (2x1 cluster) and 128x256 cooperative with a 1x2 cluster
+// were never faster than LargeTile on any benchmark shape.
 
 template <int kTile>
 struct TileOf;
@@ -98,10 +93,6 @@ struct TileOf<kMedium> {
 template <>
 struct TileOf<kSmall> {
   using type = SmallTile;
-};
-template <>
-struct TileOf<kTall> {
-  using type = TallTile;
 };
 // ---------------------------------------------------------------------------
 

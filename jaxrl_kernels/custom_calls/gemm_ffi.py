@@ -35,7 +35,7 @@ _ALIGN_BYTES = 16
 TILE_K = 64
 # The CUTLASS tile configurations (det_gemm_sm90.h: TileId; the index is the FFI
 # attribute): name -> (CTA rows, CTA columns).
-TILES = {"large": (128, 256), "medium": (128, 128), "small": (64, 128), "tall": (256, 128)}
+TILES = {"large": (128, 256), "medium": (128, 128), "small": (64, 128)}
 # Time of a medium (128x128) tile in units of half a large (128x256) tile: the
 # smaller tile reads more operand bytes per flop. Fit on an H100 for the
 # cooperative 128x128 tile (1.05-1.23, session 4); the ping-pong tile that
