@@ -28,7 +28,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
   """Drops JAX's in-memory caches after each test module: the suite compiles thousands of
-  programs, and keeping them all made later tests run about twice as slow."""
+  programs, and with all of them kept later tests ran slower (tests/test_main.py: 137 s
+  inside the suite, 59 s alone). With this and the disk cache, the suite on the 2-core CPU
+  machine went from 18.8 to 14.4 min (the CUDA build test included)."""
   yield
   jax.clear_caches()
   gc.collect()
