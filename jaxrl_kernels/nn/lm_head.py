@@ -225,28 +225,27 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
                                     weight_layout, float(temperature), compute_dtype, impl)
     return z.reshape(*lead, v), LogitStats(lse.reshape(lead), ent.reshape(lead))
   if impl == "xla":
-    w = weight.T if weight_layout == "vh" else weight
-    z = jnp.dot(h2.astype(compute_dtype), w.astype(compute_dtype),
-                preferred_element_type=jnp.float32,
-                precision=lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None)
-    if bias is not None:
-      z = z + bias.astype(jnp.float32)
-    z = z / jnp.float32(temperature) if temperature != 1.0 else z
+    z = _xla_logits(h2, weight, bias, weight_layout, temperature, compute_dtype)
   else:
     z = _logits(h2, weight, bias, weight_layout, float(temperature), compute_dtype.name, impl)
   return z.reshape(*lead, v)
 
 
+def _xla_logits(h2, weight, bias, layout, temperature, compute_dtype):
+  """The stock path's ``[T, V]`` float32 logits (plain ``jnp.dot``; not batch-invariant)."""
+  w = weight.T if layout == "vh" else weight
+  z = jnp.dot(h2.astype(compute_dtype), w.astype(compute_dtype),
+              preferred_element_type=jnp.float32,
+              precision=lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None)
+  if bias is not None:
+    z = z + bias.astype(jnp.float32)
+  return z / jnp.float32(temperature) if temperature != 1.0 else z
+
+
 def _logits_and_stats(h2, weight, bias, layout, temperature, compute_dtype, impl):
   """``(z [T, V], lse [T], entropy [T])`` for :func:`head_logits` (no gradient)."""
   if impl == "xla":
-    w = weight.T if layout == "vh" else weight
-    z = jnp.dot(h2.astype(compute_dtype), w.astype(compute_dtype),
-                preferred_element_type=jnp.float32,
-                precision=lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None)
-    if bias is not None:
-      z = z + bias.astype(jnp.float32)
-    z = z / jnp.float32(temperature) if temperature != 1.0 else z
+    z = _xla_logits(h2, weight, bias, layout, temperature, compute_dtype)
     lse = jax.nn.logsumexp(z, axis=-1)
     return z, lse, lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
   z, (m, s, u) = _logits_call(h2, weight, bias, layout, temperature, compute_dtype.name, impl,
