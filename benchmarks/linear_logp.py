@@ -1,6 +1,7 @@
 """linear_logp benchmark: the fused kernels vs materialized and token-chunked XLA.
 
   PYTHONPATH=$PWD python benchmarks/linear_logp.py [--quick] [--impls mosaic,triton,xla,chunked]
+      [--impls mosaic,mosaic:kernel=fused,mosaic:chunk=2048+dh_rows=2048,triton:kernel=gemm]
       [--shapes 8192x151936,4096x32000] [--out benchmarks/results/linear_logp_<device>.md]
       [--no-isolate]
 
@@ -14,11 +15,13 @@ each (shape, implementation) runs in its own process so the peak is its own).
 Ratios are against the materialized XLA path measured in the same run.
 
 Implementations: ``mosaic`` (the Hopper forward: TMA + wgmma logits tiles with the
-partials epilogue; Mosaic GEMM backward), ``triton`` (the fused Triton kernels;
-its backward also runs the Mosaic GEMMs on Hopper bf16), ``xla`` (``h @ W``,
-``log_softmax``, gather, entropy: ``[T, V]`` float32 logits), ``chunked``
-(the same XLA math under ``jax.checkpoint`` in a ``lax.map`` over 1024-token
-chunks).
+partials epilogue; Mosaic GEMM backward), ``triton`` (the fused Triton kernels,
+forward and backward), ``xla`` (``h @ W``, softmax statistics, gather, entropy:
+``[T, V]`` float32 logits), ``chunked`` (the same XLA math under
+``jax.checkpoint`` in a ``lax.map`` over 1024-token chunks). A name may carry a
+``BackwardConfig`` after a colon, fields joined by ``+``: ``mosaic:kernel=fused``
+(the Triton tile kernels for the backward), ``mosaic:accumulate=false+fuse_dz=false``,
+``mosaic:chunk=2048``.
 """
 
 from __future__ import annotations
@@ -41,9 +44,25 @@ TOKEN_CHUNK = 1024
 TARGET = (8192, 151936)  # the issue's targets: fwd <= 1.0x, fwd+bwd <= 0.7x, temps <= 2% of XLA
 
 
-def _op(impl):
-  from jaxrl_kernels.linear_logp import linear_logp
-  from jaxrl_kernels.linear_logp.reference import linear_logp_xla
+def _config(spec: str):
+  """``"mosaic:kernel=fused+chunk=2048"`` -> ``("mosaic", BackwardConfig(...))``."""
+  from jaxrl_kernels.linear_logp import BackwardConfig
+
+  name, _, fields = spec.partition(":")
+  if not fields:
+    return name, None
+  kw = {}
+  for item in fields.split("+"):
+    key, _, val = item.partition("=")
+    kw[key] = (val.lower() == "true" if val.lower() in ("true", "false")
+               else int(val) if val.isdigit() else val)
+  return name, BackwardConfig(**kw)
+
+
+def _op(spec):
+  from jaxrl_kernels.linear_logp import linear_logp, xla
+
+  impl, config = _config(spec)
 
   if impl == "chunked":
     def chunked(h, w, tg):
@@ -53,13 +72,14 @@ def _op(impl):
       @jax.checkpoint
       def one(args):
         hc, tc = args
-        return linear_logp_xla(hc, w, None, tc, None, temperature=1.0, weight_layout="hv",
+        return xla.linear_logp(hc, w, None, tc, None, layout="hv", temperature=1.0,
                                compute_dtype=h.dtype)
 
       lp, ent = jax.lax.map(one, (h.reshape(n, TOKEN_CHUNK, -1), tg.reshape(n, TOKEN_CHUNK)))
       return lp.reshape(t), ent.reshape(t)
     return chunked
-  return lambda h, w, tg: linear_logp(h, w, tg, return_entropy=True, implementation=impl)
+  return lambda h, w, tg: linear_logp(h, w, tg, return_entropy=True, implementation=impl,
+                                      config=config)
 
 
 def _measure(impl: str, t: int, v: int) -> dict:

@@ -1,20 +1,16 @@
 """Sweep the CUDA FFI GEMM's free knobs per shape: the CUTLASS tile and the CTA walk.
 
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD \
-      python benchmarks/tune_gemm_cuda.py [--shapes M,K,N;...] [--sweep walk|tile]
+  PYTHONPATH=$PWD python benchmarks/tune_gemm_cuda.py [--shapes M,K,N;...] [--sweep walk|tile]
 
-The knobs are read from ``JAXRL_DET_GEMM_TILE`` (large/medium/small),
-``JAXRL_DET_GEMM_SWIZZLE`` and ``JAXRL_DET_GEMM_RASTER`` at every call
-(det_gemm_sm90.cu: ``TileFor``; det_gemm_sm90_kernels.cuh: ``SchedulerKnobs``), so one compiled
-program is re-timed under each setting (command buffers off, or a captured
-graph would keep the first setting). Every setting must give the same bits (the walk
-never changes a tile's K order); the sweep checks that too. Prints a markdown
-table of TFLOP/s per setting against jnp.dot.
+Each setting is a ``gemm_ffi.CudaGemmConfig`` (tile, swizzle, raster), passed to
+the kernel as FFI attributes (det_gemm_sm90_kernels.cuh: ``SchedulerKnobs``), so
+each is its own compiled program. Every setting must give the same bits (the
+walk never changes a tile's K order); the sweep checks that too. Prints a
+markdown table of TFLOP/s per setting against jnp.dot.
 """
 
 import argparse
 import hashlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +18,23 @@ import numpy as np
 from _timing import copies_for, device_ms
 
 from jaxrl_kernels import det_matmul
+from jaxrl_kernels.custom_calls.gemm_ffi import CudaGemmConfig, matmul_cuda
 
 SHAPES = [(1024, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336), (1024, 14336, 4096),
           (8192, 14336, 4096), (8192, 4096, 4096)]
-WALKS = [("", s, r) for r in ("h", "m", "n") for s in (1, 2, 4, 8)]
+WALKS = [CudaGemmConfig(swizzle=s, raster=r) for r in ("heuristic", "m", "n")
+         for s in (1, 2, 4, 8)]
 TILE_SHAPES = [(64, 4096, 4096), (256, 4096, 4096), (256, 4096, 14336), (256, 14336, 4096),
                (1024, 4096, 4096), (1024, 4096, 14336), (1024, 14336, 4096), (2048, 4096, 14336),
                (4096, 4096, 14336), (8192, 4096, 14336)]
-# Each tile with the default walk ("" = unset: the rule in SchedulerKnobs).
-TILES = [("large", "", ""), ("medium", "", ""), ("small", "", "")]
+# Each tile with the default walk (swizzle 0: the rule in SchedulerKnobs).
+TILES = [CudaGemmConfig(tile=t) for t in ("large", "medium", "small")]
+
+
+def _name(c: CudaGemmConfig) -> str:
+  if c.tile is not None:
+    return c.tile
+  return f"s{c.swizzle}{c.raster[0]}"
 
 
 def main():
@@ -42,9 +46,8 @@ def main():
   default = SHAPES if args.sweep == "walk" else TILE_SHAPES
   shapes = default if not args.shapes else [tuple(int(x) for x in s.split(","))
                                             for s in args.shapes.split(";")]
-  name = lambda c: f"{c[0]}s{c[1]}{c[2]}" if c[1] else f"{c[0] or 'auto'}"  # noqa: E731
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  print("| M | K | N | jnp.dot | auto | " + " | ".join(name(c) for c in configs) + " | best |")
+  print("| M | K | N | jnp.dot | auto | " + " | ".join(_name(c) for c in configs) + " | best |")
   print("|" + "---|" * (len(configs) + 6))
   for m, k, n in shapes:
     reps = copies_for(k * n * 2)
@@ -57,17 +60,16 @@ def main():
     auto = flops / device_ms(det, a, bs) / 1e9
     cells, digests = [], set()
     for c in configs:
-      for var, val in zip(("TILE", "SWIZZLE", "RASTER"), c):
-        os.environ[f"JAXRL_DET_GEMM_{var}"] = str(val)
-      cells.append(flops / device_ms(det, a, bs) / 1e9)
-      digests.add(hashlib.sha256(np.asarray(det(a, bs[:1])[0]).tobytes()).hexdigest())
-    for var in ("TILE", "SWIZZLE", "RASTER"):
-      os.environ.pop(f"JAXRL_DET_GEMM_{var}")
+      run = jax.jit(lambda a, bs, c=c: [matmul_cuda(a, b, lhs_transposed=False,
+                                                    rhs_transposed=False, out_dtype=a.dtype,
+                                                    config=c) for b in bs])
+      cells.append(flops / device_ms(run, a, bs) / 1e9)
+      digests.add(hashlib.sha256(np.asarray(run(a, bs[:1])[0]).tobytes()).hexdigest())
     best = int(np.argmax(cells))
     same = "same bits" if len(digests) == 1 else f"{len(digests)} DIFFERENT bit patterns"
     print(f"| {m} | {k} | {n} | {base:.1f} | {auto:.1f} ({auto / base:.2f}x) | "
           + " | ".join(f"{c:.1f}" for c in cells)
-          + f" | {name(configs[best])} {cells[best] / base:.2f}x ({same}) |", flush=True)
+          + f" | {_name(configs[best])} {cells[best] / base:.2f}x ({same}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl_kernels import _validation as val
+
 #: The PPO clip range at which ``clipfrac0`` counts a token as clipped.
 CLIP0 = 0.2
 
@@ -97,7 +99,16 @@ class DriftReport:
 
 
 def _check_ranges(shard_ranges) -> list[tuple[int, int]]:
-  ranges = [(int(a), int(b)) for a, b in shard_ranges]
+  try:
+    pairs = [tuple(p) for p in shard_ranges]
+  except TypeError:
+    raise TypeError(f"logprob_drift: shard_ranges must be a sequence of (start, end) pairs, got "
+                    f"{shard_ranges!r}") from None
+  ranges = []
+  for r, p in enumerate(pairs):
+    if len(p) != 2:
+      raise ValueError(f"logprob_drift: shard_ranges[{r}] must be a (start, end) pair, got {p}")
+    ranges.append(tuple(val.check_int("logprob_drift", f"shard_ranges[{r}]", x) for x in p))
   for r, (a, b) in enumerate(ranges):
     if not 0 <= a < b:
       raise ValueError(f"logprob_drift: shard_ranges[{r}] must be [start, end) with "
@@ -108,6 +119,16 @@ def _check_ranges(shard_ranges) -> list[tuple[int, int]]:
   return ranges
 
 
+def _float_host(x, name: str) -> np.ndarray:
+  if not val.is_concrete(x):
+    raise TypeError(f"logprob_drift: {name} must be a concrete array (call it outside jit), "
+                    f"got a traced value")
+  a = np.asarray(x)
+  if val.dtype_kind(a.dtype) != "f":
+    raise TypeError(f"logprob_drift: {name} must be a float array of log-probs, got {a.dtype}")
+  return a
+
+
 def logprob_drift(candidate, reference, targets, mask=None, *,
                   shard_ranges: Sequence[tuple[int, int]] | None = None) -> DriftReport:
   r"""Compares two log-prob arrays token by token and locates the worst token.
@@ -115,8 +136,9 @@ def logprob_drift(candidate, reference, targets, mask=None, *,
   Args:
     candidate: ``[...]`` log-probs under test (any float dtype, numpy or jax).
     reference: ``[...]`` log-probs to compare against.
-    targets: ``[...]`` int token ids the log-probs belong to.
-    mask: optional ``[...]`` bool; default all active.
+    targets: ``[...]`` int token ids the log-probs belong to (must fit int32).
+    mask: optional ``[...]`` bool or exact 0/1 (list, numpy or jax); default all active.
+      Masked tokens may hold anything (NaN included) and are ignored.
     shard_ranges: optional ``[(start, end), ...]`` vocab range ``[start, end)`` of
       each TP rank, in rank order; the worst token is then attributed to the
       rank owning its id.
@@ -125,17 +147,14 @@ def logprob_drift(candidate, reference, targets, mask=None, *,
     A frozen :class:`DriftReport`; ``print(report)`` shows a table. Statistics
     are computed in float64 with ``d = candidate - reference``.
   """
-  cand = np.asarray(candidate)
-  ref = np.asarray(reference)
-  tgt = np.asarray(targets)
+  fn = "logprob_drift"
+  cand, ref = _float_host(candidate, "candidate"), _float_host(reference, "reference")
+  tgt = np.asarray(val.as_ids(fn, "targets", targets))
   if cand.shape != ref.shape or tgt.shape != cand.shape:
-    raise ValueError(f"logprob_drift: candidate {cand.shape}, reference {ref.shape} and targets "
+    raise ValueError(f"{fn}: candidate {cand.shape}, reference {ref.shape} and targets "
                      f"{tgt.shape} must have the same shape")
-  if not np.issubdtype(tgt.dtype, np.integer):
-    raise TypeError(f"logprob_drift: targets must be integer token ids, got {tgt.dtype}")
-  active = np.ones(cand.shape, bool) if mask is None else np.asarray(mask) != 0
-  if active.shape != cand.shape:
-    raise ValueError(f"logprob_drift: mask must have shape {cand.shape}, got {active.shape}")
+  active = (np.ones(cand.shape, bool) if mask is None else
+            np.asarray(val.as_mask(fn, "mask", mask, cand.shape)))
   ranges = None if shard_ranges is None else tuple(_check_ranges(shard_ranges))
 
   flat_idx = np.flatnonzero(active)

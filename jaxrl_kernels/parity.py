@@ -16,7 +16,8 @@ Two sections:
    ``logprob_drift`` of trainer vs sampler (max |dlogp|, approx_kl0, clipfrac0,
    bitwise, worst token).
 
-Exit status 0 iff jaxrl_kernels is bitwise in both sections.
+Exit status 0 iff jaxrl_kernels is bitwise in both sections, 1 when it is not,
+2 for arguments that cannot run here (said in one line before any work).
 """
 
 from __future__ import annotations
@@ -24,11 +25,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrl_kernels import _backend
+from jaxrl_kernels.contract import VOCAB_TILE
+
+
+def usage_error(message: str) -> None:
+  """Stops the command with ``message`` on one line and exit status 2 (argparse's)."""
+  print(f"jaxrl-kernels: error: {message}", file=sys.stderr)
+  raise SystemExit(2)
+
 
 # ------------------------------------------------------------------------------ kernels
 
@@ -89,7 +101,6 @@ def logp_check(impl: str | None, h: int, v: int, t_max: int, dtype):
 
 def kernels_report(args) -> bool:
   """Prints the GEMM and ``linear_logp`` batch-invariance section; True iff bitwise."""
-  from jaxrl_kernels import _backend
   dtype = jnp.dtype(args.dtype)
   on_gpu = _backend.platform() == "gpu"
   k, n, m_max = (4096, 4096, 1024) if on_gpu else (256, 256, 256)
@@ -169,31 +180,78 @@ def _load_params(model, path: str):
   return model if loaded is None else loaded
 
 
-def parity_report(args) -> bool:
-  """Prints the on-policy parity section; True iff jaxrl_kernels is bitwise."""
+def _shard_columns(vocab_size: int, tp: int) -> int:
+  """Columns per vocab shard: the fewest whole ``VOCAB_TILE`` tiles covering ``vocab_size``."""
+  return -(-vocab_size // (tp * VOCAB_TILE)) * VOCAB_TILE
+
+
+def tp_vocab_size(vocab_size: int, tp: int) -> int | None:
+  """The vocabulary the head is padded to for ``tp`` vocab shards, or None if none works.
+
+  Shards are whole ``VOCAB_TILE``-wide tiles (``V_s`` columns each, the padding at the
+  end), and every shard must hold at least one real id: ``(tp - 1) * V_s < vocab_size``.
+  """
+  v_s = _shard_columns(vocab_size, tp)
+  return tp * v_s if (tp - 1) * v_s < vocab_size else None
+
+
+def model_vocab_size(preset_vocab: int, vocab_size: int | None, tp: int) -> int:
+  """The model's vocabulary: ``--vocab-size``, or the preset's rounded up to a multiple of
+  ``tp * VOCAB_TILE`` when ``--tp`` needs it (that one always splits). Stops with a
+  one-line error (before any work) when ``--vocab-size`` cannot be split over ``--tp``."""
+  if tp == 1:
+    return preset_vocab if vocab_size is None else vocab_size
+  if vocab_size is None:
+    return preset_vocab if tp_vocab_size(preset_vocab, tp) else (
+        tp * _shard_columns(preset_vocab, tp))
+  if tp_vocab_size(vocab_size, tp) is None:
+    v_s = _shard_columns(vocab_size, tp)
+    usage_error(f"--vocab-size {vocab_size} cannot be split over --tp {tp}: shards are "
+                f"{VOCAB_TILE}-column tiles, so the last of {tp} shards of {v_s} would hold "
+                f"only padding; use --vocab-size > {(tp - 1) * v_s}, or leave it out")
+  return vocab_size
+
+
+def tp_mesh(tp: int, device: str | None = None) -> jax.sharding.Mesh | None:
+  """A 1-axis ``("tp",)`` mesh over the first ``tp`` devices (None for ``tp == 1``); stops
+  with a one-line error saying what to do when JAX sees fewer devices."""
+  if tp == 1:
+    return None
+  devs = jax.devices()
+  if len(devs) < tp:
+    hint = (f"--device cpu makes a host mesh of {tp} CPU devices" if device != "cpu" else
+            f"JAX started before --device could add them: set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={tp} before starting Python")
+    usage_error(f"--tp {tp} needs {tp} devices, JAX sees {len(devs)} ({devs[0].platform}); "
+                f"{hint}")
+  return jax.sharding.Mesh(np.asarray(devs[:tp]), ("tp",))
+
+
+def parity_report(args, mesh: jax.sharding.Mesh | None = None) -> bool:
+  """Prints the on-policy parity section; True iff jaxrl_kernels is bitwise.
+
+  ``mesh`` is the vocab-parallel head's mesh when ``args.tp > 1`` (:func:`tp_mesh`).
+  """
   from flax import nnx
 
   from jaxrl_kernels.diagnostics import logprob_drift
   from jaxrl_kernels.nn.sampler import sample, score
   from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
 
-  over = dict(dtype=args.model_dtype)
-  if args.vocab_size is not None:
-    over["vocab_size"] = args.vocab_size
-  cfg = TinyLMConfig.preset(args.model, **over)
-  mesh = None
-  if args.tp > 1:
-    devs = jax.devices()
-    if len(devs) < args.tp:
-      raise SystemExit(f"parity: --tp {args.tp} needs {args.tp} devices, JAX sees {len(devs)}")
-    mesh = jax.sharding.Mesh(np.asarray(devs[:args.tp]), ("tp",))
+  preset = TinyLMConfig.preset(args.model)
+  vocab = model_vocab_size(preset.vocab_size, args.vocab_size, args.tp)
+  cfg = TinyLMConfig.preset(args.model, dtype=args.model_dtype, vocab_size=vocab)
+  if args.tp > 1 and mesh is None:
+    mesh = tp_mesh(args.tp, args.device)
   rng = np.random.default_rng(args.seed)
   b, p, n = args.batch, args.prompt_len, args.new_tokens
   prompts = rng.integers(0, cfg.vocab_size, (b, p)).astype(np.int32)
   prompt_lengths = rng.integers(max(1, p // 2), p + 1, b).astype(np.int32)
   variants = _variants(b, args.tp)
   print(f"\n== on-policy parity: KV-cache sampler (batch {b}) vs trainer forward")
-  print(f"model  TinyCausalLM {args.model!r}: V={cfg.vocab_size}, H={cfg.hidden}, "
+  padded = (f" ({preset.vocab_size} padded for TP={args.tp})"
+            if args.vocab_size is None and vocab != preset.vocab_size else "")
+  print(f"model  TinyCausalLM {args.model!r}: V={cfg.vocab_size}{padded}, H={cfg.hidden}, "
         f"layers={cfg.num_layers}, heads={cfg.num_heads}, {cfg.dtype}"
         + (f", params from {args.params}" if args.params else f", seed {args.seed}"))
   print(f"data   {b} prompts of {prompt_lengths.min()}-{p} tokens, {n} new tokens each, "
@@ -247,24 +305,26 @@ def parity_report(args) -> bool:
 
 
 def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--implementation", default=None,
-                 help="force jaxrl_kernels' implementation (default: chosen by device)")
+  p.add_argument("--implementation", default=None, choices=_backend.IMPLEMENTATIONS,
+                 help="jaxrl_kernels' implementation (default: the device's default)")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                 help="dtype of the kernel section (default bfloat16)")
+                 help="dtype of the kernel section")
   p.add_argument("--device", default=None, choices=["cpu", "gpu"],
-                 help="JAX platform to run on (default: JAX's default backend)")
+                 help="JAX platform to run on (default: JAX's default backend); with "
+                      "--device cpu, --tp N makes a host mesh of N CPU devices")
 
 
 def add_parity_arguments(p: argparse.ArgumentParser) -> None:
   add_kernel_arguments(p)
   p.add_argument("--model", default="tiny", choices=["test", "tiny", "small"],
-                 help="TinyLMConfig preset (default tiny)")
+                 help="TinyLMConfig preset")
   p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"],
-                 help="the model's parameter/activation dtype (default float32)")
+                 help="the model's parameter/activation dtype")
   p.add_argument("--vocab-size", type=int, default=None,
-                 help="override the preset's vocabulary (e.g. 256 so --tp 2 splits it)")
+                 help="override the preset's vocabulary (default: the preset's, padded to a "
+                      f"multiple of TP x {VOCAB_TILE} when --tp needs it)")
   p.add_argument("--params", default=None, metavar="PATH",
-                 help="load parameters from a safetensors/orbax checkpoint")
+                 help="load parameters from a safetensors file or an orbax folder")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch", type=int, default=8, help="prompts, the sampler's batch B1")
   p.add_argument("--prompt-len", type=int, default=8)
@@ -272,6 +332,16 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1,
                  help="also recompute with the LM head vocab-parallel over N devices")
+
+
+def needs_no_fma_flag(implementation: str | None) -> bool:
+  """Whether jaxrl_kernels' path runs interpreted Pallas kernels on the CPU, whose bits
+  need XLA's CPU code without FMA contraction (see ``jaxrl_kernels._backend``).
+
+  Only ``"interpret"`` does; the CPU default, ``"cpu"``, is immune by construction and
+  runs with the user's flags as they are.
+  """
+  return implementation == "interpret"
 
 
 def select_device(device: str | None, tp: int = 1) -> None:
@@ -284,8 +354,8 @@ def select_device(device: str | None, tp: int = 1) -> None:
                                + f" --xla_force_host_platform_device_count={tp}").strip()
   jax.config.update("jax_platforms", device if device != "gpu" else "cuda")
   if jax.default_backend() != device:
-    raise SystemExit(f"--device {device}: JAX already runs on {jax.default_backend()!r}; set "
-                     f"JAX_PLATFORMS before starting Python")
+    usage_error(f"--device {device}: JAX already runs on {jax.default_backend()!r}; set "
+                f"JAX_PLATFORMS before starting Python")
 
 
 def header(title: str) -> None:
@@ -302,12 +372,19 @@ def run_kernels(args) -> int:
 
 
 def run_parity(args) -> int:
+  for name in ("batch", "prompt_len", "new_tokens", "tp"):
+    if getattr(args, name) < 1:
+      usage_error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.vocab_size is not None and args.vocab_size < 2:
+    usage_error(f"--vocab-size must be >= 2, got {args.vocab_size}")
+  from jaxrl_kernels.nn.tiny_lm import TinyLMConfig
+  # Everything that can refuse the arguments runs before the first kernel compiles.
+  model_vocab_size(TinyLMConfig.preset(args.model).vocab_size, args.vocab_size, args.tp)
   select_device(args.device, args.tp)
-  if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 1 or args.tp < 1:
-    raise SystemExit("parity: --batch, --prompt-len, --new-tokens and --tp must be >= 1")
+  mesh = tp_mesh(args.tp, args.device)
   header("on-policy parity report")
   t0 = time.perf_counter()
   ok = kernels_report(args)
-  ok &= parity_report(args)
+  ok &= parity_report(args, mesh)
   print(f"({time.perf_counter() - t0:.1f}s)")
   return 0 if ok else 1

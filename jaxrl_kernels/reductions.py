@@ -25,7 +25,9 @@ Numerics (see docs/rl.md):
   are *not* bitwise invariant.
 * Masked-out positions contribute exactly zero even if they hold NaN/inf (the
   values are selected with ``where``, not multiplied by the mask), and receive
-  zero gradient.
+  exactly zero gradient, also with respect to numeric mask weights.
+* Masks: bool selects; integer or float masks are weights (``0`` drops a position,
+  ``2`` counts it twice). Complex, string or object masks are a TypeError.
 """
 
 from __future__ import annotations
@@ -34,16 +36,28 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jaxrl_kernels import _validation as val
 
 Axis = int | Sequence[int] | None
 AxisNames = str | Sequence[str]
 
 
-def _axis_names(axis_names: AxisNames) -> tuple[str, ...]:
+def as_axis_names(axis_names: AxisNames) -> tuple[str, ...]:
+  """``"data"`` or ``("data", "fsdp")`` (mesh axis names) as a tuple of names."""
   if isinstance(axis_names, str):
     return (axis_names,)
-  return tuple(axis_names)
+  try:
+    names = tuple(axis_names)
+  except TypeError:
+    raise TypeError(f"axis_names must be a mesh axis name or a sequence of them, got "
+                    f"{axis_names!r}") from None
+  if not all(isinstance(n, str) for n in names):
+    raise TypeError(f"axis_names must be a mesh axis name or a sequence of them, got "
+                    f"{axis_names!r}")
+  return names
 
 
 def _state_dtype(dtype) -> jnp.dtype:
@@ -54,11 +68,39 @@ def _state_dtype(dtype) -> jnp.dtype:
 
 
 def _psum(x: jax.Array, axis_names: AxisNames) -> jax.Array:
-  names = _axis_names(axis_names)
+  names = as_axis_names(axis_names)
   return lax.psum(x, names) if names else x
 
 
-def _check_mask(fn: str, values: jax.Array, mask: jax.Array) -> jax.Array:
+def _array(fn: str, name: str, x, kinds: str) -> jax.Array:
+  """Lists, numpy and jax arrays of a real (or bool) dtype as a jax array."""
+  if not isinstance(x, jax.Array | np.ndarray | jax.core.Tracer):
+    try:
+      x = np.asarray(x)
+    except (TypeError, ValueError):
+      raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}") from None
+  if val.dtype_kind(x.dtype) not in kinds:
+    raise TypeError(f"{fn}: {name} must have a {'bool, ' if 'b' in kinds else ''}integer or "
+                    f"float dtype, got {x.dtype}")
+  return jnp.asarray(x)
+
+
+def _check_axis(fn: str, axis: Axis, ndim: int) -> None:
+  axes = () if axis is None else (axis,) if isinstance(axis, int | np.integer) else axis
+  try:
+    axes = tuple(axes)
+  except TypeError:
+    raise TypeError(f"{fn}: axis must be None, an int or a sequence of ints, got "
+                    f"{axis!r}") from None
+  for a in axes:
+    if isinstance(a, bool | np.bool_) or not isinstance(a, int | np.integer):
+      raise TypeError(f"{fn}: axis must be None, an int or a sequence of ints, got {axis!r}")
+    if not -ndim <= a < ndim:
+      raise ValueError(f"{fn}: axis {a} is out of range for values of rank {ndim}")
+
+
+def _check_mask(fn: str, values: jax.Array, mask) -> jax.Array:
+  mask = _array(fn, "mask", mask, "biuf")
   try:
     shape = jnp.broadcast_shapes(jnp.shape(values), jnp.shape(mask))
   except ValueError:
@@ -90,14 +132,18 @@ def masked_sum(values: jax.Array, mask: jax.Array, *, axis: Axis = None,
   >>> masked_sum(jnp.array([1., 2., jnp.nan]), jnp.array([True, True, False]))
   Array(3., dtype=float32)
   """
-  values = jnp.asarray(values)
-  mask = _check_mask("masked_sum", values, jnp.asarray(mask))
+  values = _array("masked_sum", "values", values, "biuf")
+  mask = _check_mask("masked_sum", values, mask)
+  _check_axis("masked_sum", axis, values.ndim)
   v = values.astype(_state_dtype(values.dtype))
+  zero = jnp.zeros((), v.dtype)
   if mask.dtype == jnp.bool_:
-    terms = jnp.where(mask, v, jnp.zeros((), v.dtype))
+    terms = jnp.where(mask, v, zero)
   else:
+    # Select before multiplying: 0 * NaN would leak into the sum and into d/dw.
     w = mask.astype(v.dtype)
-    terms = jnp.where(w != 0, v * w, jnp.zeros((), v.dtype))
+    keep = w != 0
+    terms = jnp.where(keep, v, zero) * jnp.where(keep, w, zero)
   return _psum(jnp.sum(terms, axis=axis), axis_names)
 
 
@@ -118,7 +164,8 @@ def masked_count(mask: jax.Array, *, axis: Axis = None, axis_names: AxisNames = 
   Returns:
     float32 array: ``mask`` reduced over ``axis``.
   """
-  mask = jnp.asarray(mask)
+  mask = _array("masked_count", "mask", mask, "biuf")
+  _check_axis("masked_count", axis, mask.ndim)
   if mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer):
     count = _psum(jnp.sum(mask.astype(jnp.int32), axis=axis), axis_names)
     return count.astype(jnp.float32)
@@ -150,10 +197,9 @@ def masked_mean(values: jax.Array, mask: jax.Array, *, axis: Axis = None,
   >>> masked_mean(jnp.array([1., 3., 100.]), jnp.array([True, True, False]))
   Array(2., dtype=float32)
   """
-  if not eps > 0:
-    raise ValueError(f"masked_mean: eps must be > 0, got {eps}")
-  values = jnp.asarray(values)
-  mask = _check_mask("masked_mean", values, jnp.asarray(mask))
+  eps = val.as_scalar("masked_mean", "eps", eps, positive=True)
+  values = _array("masked_mean", "values", values, "biuf")
+  mask = _check_mask("masked_mean", values, mask)
   total = masked_sum(values, mask, axis=axis, axis_names=axis_names)
   count = masked_count(mask, axis=axis, axis_names=axis_names).astype(total.dtype)
   return total / jnp.maximum(count, jnp.asarray(eps, total.dtype))

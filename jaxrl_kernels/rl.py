@@ -4,11 +4,21 @@ Pure functions, jit- and grad-friendly. Conventions shared by every function:
 
 * Shapes: log-probs, masks and segment ids are ``[..., T]`` (``T`` tokens per row,
   typically ``[B, T]``); per-sequence quantities are ``[...]`` (one per row).
-* ``mask`` is bool (or 0/1): masked positions contribute exactly 0 to every loss
-  and metric, receive zero gradient, and may hold any value (NaN included): the
-  inputs are selected with ``where`` before any nonlinearity.
+* ``mask`` is keyword-only everywhere (``None``: every token is active). It is bool,
+  or integer/float holding exactly 0 and 1 (anything else is a ValueError, see
+  :func:`jaxrl_kernels._validation.as_mask`). Masked positions contribute exactly 0
+  to every loss and metric, receive exactly zero gradient, and may hold any value
+  (NaN and inf included) in every input: the inputs are selected with ``where``
+  before any arithmetic, never multiplied by the mask.
+* Ratios are ``exp`` of a log-ratio clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]``
+  so that loss and gradient stay finite for every finite input; the losses report
+  how often the clamp fired (``log_ratio_clampfrac``).
 * All math is float32 (bf16/fp16 inputs are upcast). Advantages, rewards and
   old/reference log-probs carry no gradient.
+* Hyper-parameters (``clip_low``, ``clip_high``, ``dual_clip``, ``beta``, ``eps``,
+  ``threshold``, ``denominator``) may be Python numbers or traced float scalars
+  (e.g. a schedule inside ``jit``). Concrete values are range-checked eagerly;
+  traced ones with ``checkify.debug_check`` (active under ``checkify.checkify``).
 * Denominators are global: token and sequence counts go through
   :mod:`jaxrl_kernels.reductions` with ``axis_names`` (the mesh axes the rows or
   tokens are split over, inside ``shard_map``), so a loss is the same however
@@ -20,61 +30,146 @@ Pure functions, jit- and grad-friendly. Conventions shared by every function:
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
-from jaxrl_kernels.reductions import AxisNames, _axis_names, masked_count, masked_mean, masked_sum
+from jaxrl_kernels import _validation as val
+from jaxrl_kernels.reductions import (
+    AxisNames,
+    as_axis_names,
+    masked_count,
+    masked_mean,
+    masked_sum,
+)
 
 KL_KINDS = ("k1", "k2", "k3")
 Metrics = dict[str, jax.Array]
 
+#: Bound on every log-ratio before ``exp``: ``exp(20) ~ 4.9e8`` is finite in float32 with
+#: room for any sane advantage, while ``exp(89)`` overflows. verl clamps at the same value.
+#: Beyond the bound the ratio is constant, so such tokens get zero gradient (as a clipped
+#: PPO token does); ``metrics["log_ratio_clampfrac"]`` reports how often it happens.
+LOG_RATIO_CLAMP = 20.0
 
-def _f32(x) -> jax.Array:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _keyword_mask(fn: _F) -> _F:
+  """Turns a positional ``mask`` (the old calling convention) into a TypeError naming it."""
+  params = inspect.signature(fn).parameters.values()
+  positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    if len(args) > len(positional):
+      raise TypeError(
+          f"{fn.__name__}: takes {len(positional)} positional arguments "
+          f"({', '.join(positional)}) but {len(args)} were given; mask and every option "
+          f"after it are keyword-only: {fn.__name__}({', '.join(positional)}, mask=mask, ...)")
+    return fn(*args, **kwargs)
+
+  return wrapper  # type: ignore[return-value]
+
+
+def _real(fn: str, name: str, x, *, kinds: str = "iuf") -> jax.Array:
+  """``x`` (list, numpy, jax) as a float32 array (float64 stays float64 under x64)."""
+  if x is None:
+    raise TypeError(f"{fn}: {name} must be an array, got None")
+  if not isinstance(x, jax.Array | np.ndarray | jax.core.Tracer):
+    try:
+      x = np.asarray(x)
+    except (TypeError, ValueError):
+      raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}") from None
+  kind = val.dtype_kind(x.dtype)
+  if kind not in kinds:
+    raise TypeError(f"{fn}: {name} must be a real array, got dtype {x.dtype}")
   x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32) if jnp.issubdtype(
-      x.dtype, jnp.inexact) else jnp.float32)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32) if kind == "f" else jnp.float32)
 
 
-def _check_like(fn: str, ref_name: str, ref, **others) -> tuple[int, ...]:
-  shape = jnp.shape(ref)
+def _tokens(fn: str, ref_name: str, ref, **others) -> tuple[tuple[int, ...], dict[str, Any]]:
+  """Checks ``[..., T]`` token arrays of one shape; returns the shape and float32 arrays."""
+  ref = _real(fn, ref_name, ref)
+  shape = tuple(ref.shape)
   if len(shape) < 1:
     raise ValueError(f"{fn}: {ref_name} must have a token axis [..., T], got shape {shape}")
+  out = {ref_name: ref}
   for name, x in others.items():
-    if x is not None and jnp.shape(x) != shape:
+    if x is None:
+      out[name] = None
+      continue
+    x = _real(fn, name, x)
+    if tuple(x.shape) != shape:
       raise ValueError(f"{fn}: {name} must have the shape of {ref_name} {shape}, got "
-                       f"{jnp.shape(x)}")
-  return shape
+                       f"{tuple(x.shape)}")
+    out[name] = x
+  return shape, out
 
 
-def _active(mask) -> jax.Array:
-  mask = jnp.asarray(mask)
-  return mask if mask.dtype == jnp.bool_ else mask != 0
+def _mask(fn: str, mask, shape: tuple[int, ...]) -> jax.Array:
+  if mask is None:
+    return jnp.ones(shape, bool)
+  return val.as_mask(fn, "mask", mask, shape)
+
+
+def _hyper(fn: str, name: str, value, *, lo: float, lo_open: bool = False,
+           hi: float | None = None):
+  """A Python float checked to lie in ``[lo, hi)`` (``(lo, ...`` with ``lo_open``), or a
+  traced float32 scalar whose range is debug-checked (see the module docstring)."""
+  v = val.as_scalar(fn, name, value)
+  if isinstance(v, float):
+    ok = (v > lo if lo_open else v >= lo) and (hi is None or v < hi)
+  else:
+    ok = (v > lo if lo_open else v >= lo) & (True if hi is None else v < hi)
+  bound = f"{'>' if lo_open else '>='} {lo:g}" + ("" if hi is None else f" and < {hi:g}")
+  if isinstance(v, float):
+    if not ok:
+      raise ValueError(f"{fn}: {name} must be {bound}, got {name}={v}")
+  else:
+    checkify.debug_check(ok, f"{fn}: {name} must be {bound}")
+  return v
+
+
+def _denominator(fn: str, denominator):
+  return None if denominator is None else val.as_scalar(fn, "denominator", denominator)
 
 
 def _log_ratio(logp, base, active) -> jax.Array:
   """``logp - base`` at active tokens, exactly 0 elsewhere (so exp() is finite there)."""
-  d = _f32(logp) - lax.stop_gradient(_f32(base))
+  d = logp - lax.stop_gradient(base)
   return jnp.where(active, d, jnp.zeros((), d.dtype))
 
 
-def _per_token(fn: str, x, shape: tuple[int, ...], name: str) -> jax.Array:
-  """A per-sequence ``[...]`` or per-token ``[..., T]`` array as ``[..., T]``."""
-  x = jnp.asarray(x)
+def _clamp(log_ratio) -> jax.Array:
+  return jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _per_token(fn: str, x, shape: tuple[int, ...], name: str, active) -> jax.Array:
+  """A per-sequence ``[...]`` or per-token ``[..., T]`` array as ``[..., T]``, 0 where masked."""
+  x = lax.stop_gradient(_real(fn, name, x, kinds="biuf"))
   if x.shape == shape:
-    return x
-  if x.shape == shape[:-1]:
-    return jnp.broadcast_to(x[..., None], shape)
-  raise ValueError(f"{fn}: {name} must be per sequence {shape[:-1]} or per token {shape}, "
-                   f"got {x.shape}")
+    pass
+  elif x.shape == shape[:-1]:
+    x = jnp.broadcast_to(x[..., None], shape)
+  else:
+    raise ValueError(f"{fn}: {name} must be per sequence {shape[:-1]} or per token {shape}, "
+                     f"got {x.shape}")
+  return jnp.where(active, x, jnp.zeros((), x.dtype))
 
 
 def _masked_max(x, active, axis_names: AxisNames, *, sign: float) -> jax.Array:
   """max (sign=+1) or min (sign=-1) over active positions and devices; 1.0 if none."""
   fill = jnp.asarray(-jnp.inf, x.dtype)
   m = sign * jnp.max(jnp.where(active, sign * x, fill), initial=fill)
-  names = _axis_names(axis_names)
+  names = as_axis_names(axis_names)
   if names:
     m = lax.pmax(m, names) if sign > 0 else lax.pmin(m, names)
   return jnp.where(jnp.isfinite(m), m, jnp.ones((), x.dtype))
@@ -103,77 +198,95 @@ def _reduce_tokens(per_token, active, *, token_level: bool, axis_names: AxisName
   return _divide(total, masked_count(has_tokens, axis_names=axis_names), denominator)
 
 
-def policy_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
-  r"""Per-token importance ratio :math:`r_t = \exp(\log\pi_t - \log\pi^{old}_t)`.
+@_keyword_mask
+def policy_ratio(logp: jax.Array, old_logp: jax.Array, *,
+                 mask: jax.Array | None = None) -> jax.Array:
+  r"""Per-token importance ratio :math:`r_t = \exp(\mathrm{clamp}(\log\pi_t - \log\pi^{old}_t))`.
+
+  The log-ratio is clamped to ``±LOG_RATIO_CLAMP`` (the ratio the losses use).
 
   Args:
     logp: ``[..., T]`` log-probs of the policy being trained (differentiated).
     old_logp: ``[..., T]`` log-probs of the behaviour policy (no gradient).
-    mask: ``[..., T]`` bool; masked tokens get ratio exactly 1.
+    mask: ``[..., T]`` bool (or 0/1); masked tokens get ratio exactly 1.
 
   Returns:
     ``[..., T]`` float32.
 
   >>> policy_ratio(jnp.log(jnp.array([.5, .2])), jnp.log(jnp.array([.25, .1])),
-  ...              jnp.array([True, False]))
+  ...              mask=jnp.array([True, False]))
   Array([2., 1.], dtype=float32)
   """
-  _check_like("policy_ratio", "logp", logp, old_logp=old_logp, mask=mask)
-  return jnp.exp(_log_ratio(logp, old_logp, _active(mask)))
+  fn = "policy_ratio"
+  shape, a = _tokens(fn, "logp", logp, old_logp=old_logp)
+  active = _mask(fn, mask, shape)
+  return jnp.exp(_clamp(_log_ratio(a["logp"], a["old_logp"], active)))
 
 
-def kl(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, kind: str = "k3") -> jax.Array:
+@_keyword_mask
+def kl(logp: jax.Array, ref_logp: jax.Array, *, mask: jax.Array | None = None,
+       kind: str = "k3") -> jax.Array:
   r"""Per-token estimator of :math:`\mathrm{KL}(\pi \,\|\, \pi_{ref})` from samples of :math:`\pi`.
 
   With :math:`d_t = \log\pi_{ref,t} - \log\pi_t` (Schulman's estimators):
 
   * ``"k1"``: :math:`-d` (unbiased, high variance, can be negative),
   * ``"k2"``: :math:`d^2 / 2` (biased, low variance),
-  * ``"k3"``: :math:`e^{d} - d - 1` (unbiased, >= 0; GRPO's choice).
+  * ``"k3"``: :math:`e^{d} - d - 1` (unbiased, >= 0; GRPO's choice), with :math:`d`
+    clamped to ``±LOG_RATIO_CLAMP`` so that it is finite for every finite input.
 
   Args:
     logp: ``[..., T]`` log-probs of the trained policy (differentiated).
     ref_logp: ``[..., T]`` reference log-probs (no gradient).
-    mask: ``[..., T]`` bool; masked tokens give exactly 0.
+    mask: ``[..., T]`` bool (or 0/1); masked tokens give exactly 0.
     kind: ``"k1"``, ``"k2"`` or ``"k3"``.
 
   Returns:
     ``[..., T]`` float32; reduce it with :func:`~jaxrl_kernels.reductions.masked_mean`.
   """
-  if kind not in KL_KINDS:
-    raise ValueError(f"kl: kind must be one of {KL_KINDS}, got {kind!r}")
-  _check_like("kl", "logp", logp, ref_logp=ref_logp, mask=mask)
-  active = _active(mask)
-  d = -_log_ratio(logp, ref_logp, active)  # ref - logp, 0 at masked tokens
+  fn = "kl"
+  kind = val.check_choice(fn, "kind", kind, KL_KINDS)
+  shape, a = _tokens(fn, "logp", logp, ref_logp=ref_logp)
+  active = _mask(fn, mask, shape)
+  d = -_log_ratio(a["logp"], a["ref_logp"], active)  # ref - logp, 0 at masked tokens
   if kind == "k1":
     out = -d
   elif kind == "k2":
     out = 0.5 * d * d
   else:
+    d = _clamp(d)
     out = jnp.expm1(d) - d  # expm1: accurate for the small d of nearby policies
   return jnp.where(active, out, jnp.zeros((), out.dtype))
 
 
-def group_advantages(rewards: jax.Array, groups: int | jax.Array, *, normalize_std: bool = True,
-                     eps: float = 1e-6, mask: jax.Array | None = None) -> jax.Array:
+def group_advantages(rewards: jax.Array, groups: int | jax.Array, *,
+                     mask: jax.Array | None = None, normalize_std: bool = True,
+                     eps: float | jax.Array = 1e-6) -> jax.Array:
   r"""GRPO group-relative advantages :math:`A_i = (r_i - \mu_g) / (\sigma_g + \epsilon)`.
 
   :math:`\mu_g` and :math:`\sigma_g` are the mean and the sample standard deviation
   (``n - 1`` in the denominator, as in TRL and verl) of the rewards of sample
-  ``i``'s group ``g`` over its valid samples. A group of one valid sample, or one
-  whose rewards are all equal, gets advantages exactly 0 (never NaN).
+  ``i``'s group ``g`` over its valid samples.
+
+  Numerics: the statistics are taken of :math:`r_i - r_{f(g)}`, the rewards minus the
+  group's first valid reward (shift-invariant math, but no cancellation), with a
+  two-pass mean. So a group whose rewards are all equal gets advantages **exactly 0**
+  for every group size and value, and a group of one valid sample too (never NaN).
+  ``eps`` bounds the division: near-equal rewards (``σ << eps``) give advantages of
+  order ``(r - μ) / eps``, not ±1. A NaN/inf reward of a valid sample makes its
+  group's advantages NaN (and no other group's); invalid samples may hold anything.
 
   Args:
     rewards: ``[N]`` one scalar reward per sample (no gradient).
     groups: either ``samples_per_prompt`` (an int ``k``: samples ``[j k, (j+1) k)``
       form group ``j``; ``N % k == 0``) or ``group_ids``, an int array ``[N]`` of
       arbitrary ids (equal id = same prompt; need not be sorted or contiguous).
-    normalize_std: divide by :math:`\sigma_g + \epsilon` (``False``: Dr. GRPO's
-      mean-centering only).
-    eps: added to :math:`\sigma_g`.
-    mask: optional ``[N]`` bool; invalid samples are left out of the group
+    mask: optional ``[N]`` bool (or 0/1); invalid samples are left out of the group
       statistics and get advantage 0. A group with no valid sample is empty and
       affects nothing.
+    normalize_std: divide by :math:`\sigma_g + \epsilon` (``False``: Dr. GRPO's
+      mean-centering only).
+    eps: added to :math:`\sigma_g`; > 0.
 
   Returns:
     ``[N]`` float32 advantages. All samples of a group must be in ``rewards`` (on
@@ -182,46 +295,57 @@ def group_advantages(rewards: jax.Array, groups: int | jax.Array, *, normalize_s
   >>> group_advantages(jnp.array([1., 0., 1., 1.]), 2)
   Array([ 0.70710576, -0.70710576,  0.        ,  0.        ], dtype=float32)
   """
-  rewards = jnp.asarray(rewards)
+  fn = "group_advantages"
+  rewards = _real(fn, "rewards", rewards, kinds="biuf")
   if rewards.ndim != 1:
-    raise ValueError(f"group_advantages: rewards must be 1-D [N], got shape {rewards.shape}")
+    raise ValueError(f"{fn}: rewards must be 1-D [N], got shape {rewards.shape}")
   n = rewards.shape[0]
-  if isinstance(groups, (int, np.integer)) and not isinstance(groups, bool):
+  if isinstance(groups, int | np.integer) and not isinstance(groups, bool | np.bool_):
     k = int(groups)
     if k < 1 or n % k:
-      raise ValueError(f"group_advantages: samples_per_prompt={k} must be >= 1 and divide the "
+      raise ValueError(f"{fn}: samples_per_prompt={k} must be >= 1 and divide the "
                        f"number of rewards {n}")
     ids, num_groups = jnp.arange(n) // k, n // k
   else:
-    ids = jnp.asarray(groups)
-    if ids.shape != (n,) or not jnp.issubdtype(ids.dtype, jnp.integer):
-      raise ValueError(f"group_advantages: groups must be an int samples_per_prompt or integer "
-                       f"group_ids of shape ({n},), got {ids.dtype} {ids.shape}")
+    if isinstance(groups, bool | float | np.bool_ | np.floating):
+      raise TypeError(f"{fn}: groups must be an int samples_per_prompt or integer group_ids "
+                      f"of shape ({n},), got {groups!r}")
+    g = val.as_ids(fn, "groups", groups)
+    if g.shape != (n,):
+      raise ValueError(f"{fn}: groups must be an int samples_per_prompt or integer group_ids "
+                       f"of shape ({n},), got {g.dtype} {g.shape}")
     # Arbitrary ids (e.g. prompt hashes) -> dense [0, n): at most n groups.
-    ids = jnp.unique(ids, size=n, return_inverse=True, fill_value=0)[1].reshape(n)
+    ids = jnp.unique(g, size=n, return_inverse=True, fill_value=0)[1].reshape(n)
     num_groups = n
-  if not eps > 0:
-    raise ValueError(f"group_advantages: eps must be > 0, got {eps}")
-  valid = jnp.ones((n,), bool) if mask is None else _active(mask)
-  if valid.shape != (n,):
-    raise ValueError(f"group_advantages: mask must have shape ({n},), got {valid.shape}")
-  r = jnp.where(valid, _f32(lax.stop_gradient(rewards)), 0.0)
+  normalize_std = val.check_bool(fn, "normalize_std", normalize_std)
+  eps = _hyper(fn, "eps", eps, lo=0.0, lo_open=True)
+  valid = jnp.ones((n,), bool) if mask is None else val.as_mask(fn, "mask", mask, (n,))
+  if n == 0:
+    return jnp.zeros((0,), jnp.float32)
+  r = jnp.where(valid, lax.stop_gradient(rewards), 0.0)
+  # The group's first valid reward: subtracting it makes an all-equal group exactly 0.
+  pos = jnp.where(valid, jnp.arange(n), n)
+  first = jax.ops.segment_min(pos, ids, num_groups)
+  x = jnp.where(valid, r - r[jnp.minimum(first, n - 1)][ids], 0.0)
   count = jax.ops.segment_sum(valid.astype(jnp.float32), ids, num_groups)
-  mean = jax.ops.segment_sum(r, ids, num_groups) / jnp.maximum(count, 1.0)
-  centered = jnp.where(valid, r - mean[ids], 0.0)
+  mean = jax.ops.segment_sum(x, ids, num_groups) / jnp.maximum(count, 1.0)
+  centered = jnp.where(valid, x - mean[ids], 0.0)
   if normalize_std:
     var = jax.ops.segment_sum(centered * centered, ids, num_groups) / jnp.maximum(count - 1, 1.0)
     centered = centered / (jnp.sqrt(var)[ids] + eps)
   return jnp.where(valid, centered, 0.0)
 
 
-def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
-                  *, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+@_keyword_mask
+def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, *,
+                  mask: jax.Array | None = None, clip_low: float | jax.Array = 0.2,
+                  clip_high: float | jax.Array = 0.2, dual_clip: float | jax.Array | None = None,
                   token_level: bool = True, axis_names: AxisNames = (),
                   denominator: jax.Array | float | None = None) -> tuple[jax.Array, Metrics]:
   r"""PPO clipped surrogate loss (with DAPO's asymmetric clip and optional dual clip).
 
-  Per active token, with :math:`r_t = e^{\log\pi_t - \log\pi^{old}_t}`:
+  Per active token, with :math:`r_t = e^{\mathrm{clamp}(\log\pi_t - \log\pi^{old}_t)}`
+  (clamped to ``±LOG_RATIO_CLAMP``):
 
   .. math::
      \ell_t = \max\big(-A_t r_t,\ -A_t\,\mathrm{clip}(r_t, 1-\epsilon_{low}, 1+\epsilon_{high})\big)
@@ -241,7 +365,7 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, m
     logp: ``[..., T]`` log-probs of the trained policy (differentiated).
     old_logp: ``[..., T]`` behaviour-policy log-probs (no gradient).
     advantages: ``[...]`` per sequence or ``[..., T]`` per token (no gradient).
-    mask: ``[..., T]`` bool, active (response) tokens.
+    mask: ``[..., T]`` bool (or 0/1), active (response) tokens; ``None``: all.
     clip_low, clip_high: :math:`\epsilon_{low} \in [0, 1)`, :math:`\epsilon_{high} \ge 0`.
     dual_clip: ``None`` or :math:`c > 1`.
     token_level: token mean (True) or sequence mean (False).
@@ -255,20 +379,21 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, m
     level, global over ``axis_names``): ``clipfrac`` (tokens where the clip is
     active), ``dual_clipfrac`` (with ``dual_clip``), ``approx_kl``
     (:math:`\mathrm{mean}(r - 1 - \log r)`), ``ratio_mean``, ``ratio_min``,
-    ``ratio_max`` (1 with no active token), ``num_tokens``.
+    ``ratio_max`` (1 with no active token), ``log_ratio_clampfrac`` (tokens whose
+    log-ratio hit ``±LOG_RATIO_CLAMP``), ``num_tokens``.
   """
   fn = "ppo_clip_loss"
-  shape = _check_like(fn, "logp", logp, old_logp=old_logp, mask=mask)
-  if not 0 <= clip_low < 1 or not clip_high >= 0:
-    raise ValueError(f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
-                     f"clip_high={clip_high}")
-  if dual_clip is not None and not dual_clip > 1:
-    raise ValueError(f"{fn}: dual_clip must be None or > 1, got {dual_clip}")
-  active = _active(mask)
-  log_ratio = _log_ratio(logp, old_logp, active)
-  ratio = jnp.exp(log_ratio)
-  adv = lax.stop_gradient(_f32(_per_token(fn, advantages, shape, "advantages")))
-  adv = jnp.where(active, adv, 0.0)
+  shape, a = _tokens(fn, "logp", logp, old_logp=old_logp)
+  active = _mask(fn, mask, shape)
+  clip_low = _hyper(fn, "clip_low", clip_low, lo=0.0, hi=1.0)
+  clip_high = _hyper(fn, "clip_high", clip_high, lo=0.0)
+  if dual_clip is not None:
+    dual_clip = _hyper(fn, "dual_clip", dual_clip, lo=1.0, lo_open=True)
+  token_level = val.check_bool(fn, "token_level", token_level)
+  denominator = _denominator(fn, denominator)
+  adv = _per_token(fn, advantages, shape, "advantages", active)
+  log_ratio = _log_ratio(a["logp"], a["old_logp"], active)
+  ratio = jnp.exp(_clamp(log_ratio))
   pg1 = -adv * ratio
   pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
   pg = jnp.maximum(pg1, pg2)
@@ -280,26 +405,33 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, m
     metrics["dual_clipfrac"] = masked_mean(dual, active, axis_names=axis_names)
   loss = _reduce_tokens(pg, active, token_level=token_level, axis_names=axis_names,
                         denominator=denominator)
-  metrics.update(_ratio_metrics(log_ratio, ratio, active, axis_names))
+  metrics.update(_ratio_metrics(log_ratio, active, axis_names))
   return loss, metrics
 
 
-def _ratio_metrics(log_ratio, ratio, active, axis_names) -> Metrics:
-  log_ratio, ratio = lax.stop_gradient(log_ratio), lax.stop_gradient(ratio)
+def _ratio_metrics(log_ratio, active, axis_names) -> Metrics:
+  log_ratio = lax.stop_gradient(log_ratio)
+  clamped = _clamp(log_ratio)
+  ratio = jnp.exp(clamped)
   return {
-      "approx_kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, active, axis_names=axis_names),
+      "approx_kl": masked_mean(jnp.expm1(clamped) - clamped, active, axis_names=axis_names),
       "ratio_mean": masked_mean(ratio, active, axis_names=axis_names),
       "ratio_min": _masked_max(ratio, active, axis_names, sign=-1.0),
       "ratio_max": _masked_max(ratio, active, axis_names, sign=1.0),
+      "log_ratio_clampfrac": masked_mean(jnp.abs(log_ratio) > LOG_RATIO_CLAMP, active,
+                                         axis_names=axis_names),
       "num_tokens": masked_count(active, axis_names=axis_names),
   }
 
 
+@_keyword_mask
 def grpo_loss(logp: jax.Array, old_logp: jax.Array, rewards: jax.Array, groups: int | jax.Array,
-              mask: jax.Array, *, ref_logp: jax.Array | None = None, beta: float = 0.0,
-              kl_kind: str = "k3", clip_low: float = 0.2, clip_high: float = 0.2,
-              dual_clip: float | None = None, token_level: bool = True,
-              normalize_std: bool = True, eps: float = 1e-6, axis_names: AxisNames = (),
+              *, mask: jax.Array | None = None, ref_logp: jax.Array | None = None,
+              beta: float | jax.Array = 0.0, kl_kind: str = "k3",
+              clip_low: float | jax.Array = 0.2, clip_high: float | jax.Array = 0.2,
+              dual_clip: float | jax.Array | None = None, token_level: bool = True,
+              normalize_std: bool = True, eps: float | jax.Array = 1e-6,
+              axis_names: AxisNames = (),
               denominator: jax.Array | float | None = None) -> tuple[jax.Array, Metrics]:
   r"""GRPO: :func:`ppo_clip_loss` on :func:`group_advantages`, plus :math:`\beta\,\mathrm{KL}`.
 
@@ -307,14 +439,15 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, rewards: jax.Array, groups: 
 
   where the KL term is reduced exactly like the clipped term (token or sequence
   level, same global denominator). Rows with no active token are padding: they
-  are left out of the group statistics.
+  are left out of the group statistics, and their rewards may hold anything.
 
   Args:
-    logp, old_logp, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
+    logp, old_logp: ``[B, T]`` as in :func:`ppo_clip_loss`.
     rewards: ``[B]`` one reward per row.
     groups: ``samples_per_prompt`` or ``group_ids [B]`` (see :func:`group_advantages`).
-    ref_logp: ``[B, T]`` reference-policy log-probs; required when ``beta != 0``;
-      when given, ``metrics["kl"]`` reports the (token-mean) KL.
+    mask: ``[B, T]`` bool (or 0/1); ``None``: all tokens active.
+    ref_logp: ``[B, T]`` reference-policy log-probs; required when ``beta`` is
+      non-zero or traced; when given, ``metrics["kl"]`` reports the (token-mean) KL.
     beta: KL coefficient.
     kl_kind: estimator for the KL term (see :func:`kl`).
     Other arguments: as in :func:`ppo_clip_loss` and :func:`group_advantages`.
@@ -324,31 +457,40 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, rewards: jax.Array, groups: 
     and, with ``ref_logp``, ``kl``.
   """
   fn = "grpo_loss"
-  shape = _check_like(fn, "logp", logp, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
+  shape, a = _tokens(fn, "logp", logp, old_logp=old_logp, ref_logp=ref_logp)
   if len(shape) != 2:
     raise ValueError(f"{fn}: logp must be [B, T], got shape {shape}")
-  if beta != 0 and ref_logp is None:
+  rewards = _real(fn, "rewards", rewards, kinds="biuf")
+  if tuple(rewards.shape) != shape[:1]:
+    raise ValueError(f"{fn}: rewards must hold one reward per row of logp {shape}: shape "
+                     f"{shape[:1]}, got {tuple(rewards.shape)}")
+  kl_kind = val.check_choice(fn, "kl_kind", kl_kind, KL_KINDS)
+  beta = val.as_scalar(fn, "beta", beta)
+  if ref_logp is None and not (isinstance(beta, float) and beta == 0):
     raise ValueError(f"{fn}: beta={beta} needs ref_logp")
-  active = _active(mask)
+  active = _mask(fn, mask, shape)
   adv = group_advantages(rewards, groups, normalize_std=normalize_std, eps=eps,
                          mask=jnp.any(active, axis=-1))
-  pg_loss, metrics = ppo_clip_loss(logp, old_logp, adv, active, clip_low=clip_low,
-                                   clip_high=clip_high, dual_clip=dual_clip,
+  pg_loss, metrics = ppo_clip_loss(a["logp"], a["old_logp"], adv, mask=active,
+                                   clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                                    token_level=token_level, axis_names=axis_names,
                                    denominator=denominator)
   metrics["pg_loss"] = pg_loss
   loss = pg_loss
   if ref_logp is not None:
-    kl_t = kl(logp, ref_logp, active, kind=kl_kind)
+    kl_t = kl(a["logp"], a["ref_logp"], mask=active, kind=kl_kind)
     metrics["kl"] = masked_mean(lax.stop_gradient(kl_t), active, axis_names=axis_names)
-    if beta != 0:
+    if not (isinstance(beta, float) and beta == 0):
       loss = loss + beta * _reduce_tokens(kl_t, active, token_level=token_level,
-                                          axis_names=axis_names, denominator=denominator)
+                                          axis_names=axis_names,
+                                          denominator=_denominator(fn, denominator))
   return loss, metrics
 
 
-def gspo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
-              segment_ids: jax.Array, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
+@_keyword_mask
+def gspo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
+              segment_ids: jax.Array, *, mask: jax.Array | None = None,
+              clip_low: float | jax.Array = 3e-4, clip_high: float | jax.Array = 4e-4,
               axis_names: AxisNames = (),
               denominator: jax.Array | float | None = None) -> tuple[jax.Array, Metrics]:
   r"""GSPO (Zheng et al., 2025): a clipped objective on the sequence-level ratio.
@@ -356,10 +498,12 @@ def gspo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
   For each document :math:`s` of a packed batch, with :math:`n_s` its active tokens,
 
   .. math::
-     \log s_s = \frac{1}{n_s} \sum_{t \in s} (\log\pi_t - \log\pi^{old}_t), \qquad
+     \log s_s = \mathrm{clamp}\Big(\frac{1}{n_s} \sum_{t \in s}
+                (\log\pi_t - \log\pi^{old}_t)\Big), \qquad
      \ell_s = \max\big(-A_s s_s,\ -A_s \mathrm{clip}(s_s, 1-\epsilon_{lo}, 1+\epsilon_{hi})\big)
 
-  and :math:`L = \sum_t w_t\, \ell_{s(t)} / N_{docs}` with per-token weight
+  (the clamp to ``±LOG_RATIO_CLAMP`` keeps :math:`s_s` finite) and
+  :math:`L = \sum_t w_t\, \ell_{s(t)} / N_{docs}` with per-token weight
   :math:`w_t = m_t / n_{s(t)}` (each document's weights sum to 1), i.e. the mean
   of :math:`\ell_s` over documents with an active token, the count being global
   over ``axis_names`` (or ``denominator``).
@@ -368,68 +512,77 @@ def gspo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
   (ids ``>= S``, as produced by a search over document boundaries) are clamped
   onto the last document ``S - 1`` instead of indexing out of range; they must be
   masked and then contribute exactly 0. An *active* token with an id outside
-  ``[0, S)`` makes the loss NaN (never a silent finite value).
+  ``[0, S)`` makes the loss NaN (never a silent finite value). Advantages of
+  documents without an active token may hold anything.
 
   Args:
-    logp, old_logp, mask: ``[..., T]`` as in :func:`ppo_clip_loss`.
+    logp, old_logp: ``[..., T]`` as in :func:`ppo_clip_loss`.
     advantages: ``[S]`` one advantage per document (no gradient); ``S`` is static.
     segment_ids: ``[..., T]`` int, the document of each token, in ``[0, S)``,
       numbered over the whole (local) batch. A document must lie on one device.
+    mask: ``[..., T]`` bool (or 0/1); ``None``: all tokens active.
     clip_low, clip_high: clip range of :math:`s_s` (GSPO uses 3e-4 / 4e-4).
     axis_names: mesh axes the documents are split over, inside ``shard_map``.
     denominator: replaces the global document count.
 
   Returns:
     ``(loss, metrics)``: ``clipfrac`` (fraction of documents clipped),
-    ``seq_ratio_mean``, ``num_documents``, and the token-level ``approx_kl``,
-    ``ratio_mean/min/max``, ``num_tokens`` of :func:`ppo_clip_loss`.
+    ``seq_ratio_mean``, ``seq_log_ratio_clampfrac`` (documents whose log-ratio hit the
+    clamp), ``num_documents``, and the token-level ``approx_kl``,
+    ``ratio_mean/min/max``, ``log_ratio_clampfrac``, ``num_tokens`` of
+    :func:`ppo_clip_loss`.
   """
   fn = "gspo_loss"
-  shape = _check_like(fn, "logp", logp, old_logp=old_logp, mask=mask, segment_ids=segment_ids)
-  advantages = jnp.asarray(advantages)
+  shape, a = _tokens(fn, "logp", logp, old_logp=old_logp)
+  active = _mask(fn, mask, shape).reshape(-1)
+  advantages = _real(fn, "advantages", advantages, kinds="biuf")
   if advantages.ndim != 1 or advantages.shape[0] < 1:
     raise ValueError(f"{fn}: advantages must be [S] with S >= 1 documents, got shape "
                      f"{advantages.shape}")
-  segment_ids = jnp.asarray(segment_ids)
-  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-    raise TypeError(f"{fn}: segment_ids must be integers, got {segment_ids.dtype}")
-  if not 0 <= clip_low < 1 or not clip_high >= 0:
-    raise ValueError(f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
-                     f"clip_high={clip_high}")
-  del shape
+  segment_ids = val.as_ids(fn, "segment_ids", segment_ids)
+  if tuple(segment_ids.shape) != shape:
+    raise ValueError(f"{fn}: segment_ids must have the shape of logp {shape}, got "
+                     f"{tuple(segment_ids.shape)}")
+  clip_low = _hyper(fn, "clip_low", clip_low, lo=0.0, hi=1.0)
+  clip_high = _hyper(fn, "clip_high", clip_high, lo=0.0)
+  denominator = _denominator(fn, denominator)
   num_docs = advantages.shape[0]
-  active = _active(mask).reshape(-1)
   raw_ids = segment_ids.reshape(-1)
   ids = jnp.clip(raw_ids, 0, num_docs - 1)  # padding past the last document -> last document
-  log_ratio = _log_ratio(jnp.reshape(logp, -1), jnp.reshape(old_logp, -1), active)
+  log_ratio = _log_ratio(a["logp"].reshape(-1), a["old_logp"].reshape(-1), active)
   n_doc = jax.ops.segment_sum(active.astype(jnp.float32), ids, num_docs)
   inv_n = 1.0 / jnp.maximum(n_doc, 1.0)
-  seq_ratio = jnp.exp(jax.ops.segment_sum(log_ratio, ids, num_docs) * inv_n)
-  adv = lax.stop_gradient(_f32(advantages))
+  has_doc = n_doc > 0
+  seq_log_ratio = jax.ops.segment_sum(log_ratio, ids, num_docs) * inv_n
+  seq_ratio = jnp.exp(_clamp(seq_log_ratio))
+  adv = jnp.where(has_doc, lax.stop_gradient(advantages), 0.0)
   l1 = -adv * seq_ratio
   l2 = -adv * jnp.clip(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
   per_doc = jnp.maximum(l1, l2)
   per_token = jnp.where(active, inv_n[ids] * per_doc[ids], 0.0)  # weight m_t / n_s
-  has_doc = n_doc > 0
   loss = _divide(masked_sum(per_token, active, axis_names=axis_names),
                  masked_count(has_doc, axis_names=axis_names), denominator)
   # An active token outside every document (on any device) poisons the loss.
   stray = masked_count(active & (raw_ids != ids), axis_names=axis_names) > 0
   loss = jnp.where(stray, jnp.nan, loss)
+  seq_log_ratio = lax.stop_gradient(seq_log_ratio)
   metrics = {
       "clipfrac": masked_mean(l2 > l1, has_doc, axis_names=axis_names),
       "seq_ratio_mean": masked_mean(lax.stop_gradient(seq_ratio), has_doc, axis_names=axis_names),
+      "seq_log_ratio_clampfrac": masked_mean(jnp.abs(seq_log_ratio) > LOG_RATIO_CLAMP, has_doc,
+                                             axis_names=axis_names),
       "num_documents": masked_count(has_doc, axis_names=axis_names),
   }
-  metrics.update(_ratio_metrics(log_ratio, jnp.exp(log_ratio), active, axis_names))
+  metrics.update(_ratio_metrics(log_ratio, active, axis_names))
   return loss, metrics
 
 
-def tis_weights(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
-                threshold: float = 2.0) -> jax.Array:
+@_keyword_mask
+def tis_weights(train_logp: jax.Array, rollout_logp: jax.Array, *,
+                mask: jax.Array | None = None, threshold: float | jax.Array = 2.0) -> jax.Array:
   r"""Truncated importance-sampling weights for rollout/trainer mismatch.
 
-  .. math::  w_t = \min\big(e^{\log\pi^{train}_t - \log\pi^{rollout}_t},\ C\big)
+  .. math::  w_t = \min\big(e^{\mathrm{clamp}(\log\pi^{train}_t - \log\pi^{rollout}_t)},\ C\big)
 
   (Yao et al., 2025), correcting for the rollout engine sampling from a slightly
   different distribution than the trainer computes. No gradient; 0 at masked
@@ -438,15 +591,16 @@ def tis_weights(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
   Args:
     train_logp: ``[..., T]`` trainer log-probs of the behaviour policy.
     rollout_logp: ``[..., T]`` log-probs reported by the rollout engine.
-    mask: ``[..., T]`` bool.
+    mask: ``[..., T]`` bool (or 0/1); ``None``: all tokens active.
     threshold: the truncation :math:`C > 0`.
 
   Returns:
     ``[..., T]`` float32 weights in ``[0, C]``.
   """
-  _check_like("tis_weights", "train_logp", train_logp, rollout_logp=rollout_logp, mask=mask)
-  if not threshold > 0:
-    raise ValueError(f"tis_weights: threshold must be > 0, got {threshold}")
-  active = _active(mask)
-  w = jnp.minimum(jnp.exp(_log_ratio(train_logp, rollout_logp, active)), threshold)
+  fn = "tis_weights"
+  shape, a = _tokens(fn, "train_logp", train_logp, rollout_logp=rollout_logp)
+  active = _mask(fn, mask, shape)
+  threshold = _hyper(fn, "threshold", threshold, lo=0.0, lo_open=True)
+  d = _clamp(_log_ratio(a["train_logp"], a["rollout_logp"], active))
+  w = jnp.minimum(jnp.exp(d), threshold)
   return lax.stop_gradient(jnp.where(active, w, 0.0))

@@ -25,8 +25,9 @@ The loss function receives ``N`` as its divisor:
 
    def loss_fn(params, batch, num_documents):
      logp = policy_logp(params, batch)                      # [B, T]
-     loss, metrics = rl.grpo_loss(logp, batch["old_logp"], batch["rewards"], 8, batch["mask"],
-                                  token_level=False, denominator=num_documents)
+     loss, metrics = rl.grpo_loss(logp, batch["old_logp"], batch["rewards"], 8,
+                                  mask=batch["mask"], token_level=False,
+                                  denominator=num_documents)
      return loss
 
 ``count_documents(batch)`` tells the driver how many documents (the loss's
@@ -43,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jaxrl_kernels import _validation as val
 
 Params = Any
 Batch = Any
@@ -64,6 +67,14 @@ def _global_count(local: int) -> int:
     return int(local)
   from jax.experimental import multihost_utils
   return int(np.sum(multihost_utils.process_allgather(np.int64(local))))
+
+
+def _document_count(n: Any) -> int:
+  """``count_documents``'s answer as an int >= 0 (a 0-d integer array is fine; 2.5 is not)."""
+  if isinstance(n, jax.Array | np.ndarray) and n.shape == () and val.is_concrete(n):
+    if val.dtype_kind(n.dtype) in "iu":
+      n = int(n)
+  return val.check_int("Trainer.pull", "count_documents(batch)", n, minimum=0)
 
 
 @dataclasses.dataclass
@@ -103,10 +114,17 @@ class Trainer:
   batch_sharding: jax.sharding.Sharding | None = None
 
   def __post_init__(self):
-    if not isinstance(self.docs_per_step, (int, np.integer)) or self.docs_per_step < 0:
-      raise ValueError(f"Trainer: docs_per_step must be an int >= 0, got {self.docs_per_step!r}")
-    if not isinstance(self.micro_batches, (int, np.integer)) or self.micro_batches < 1:
-      raise ValueError(f"Trainer: micro_batches must be an int >= 1, got {self.micro_batches!r}")
+    if not callable(self.loss_fn) or not callable(self.count_documents):
+      raise TypeError("Trainer: loss_fn and count_documents must be callables")
+    self.docs_per_step = val.check_int("Trainer", "docs_per_step", self.docs_per_step,
+                                       minimum=0)
+    self.micro_batches = val.check_int("Trainer", "micro_batches", self.micro_batches,
+                                       minimum=1)
+    self.has_aux = val.check_bool("Trainer", "has_aux", self.has_aux)
+    if self.batch_sharding is not None and not isinstance(self.batch_sharding,
+                                                          jax.sharding.Sharding):
+      raise TypeError(f"Trainer: batch_sharding must be a jax.sharding.Sharding or None, got "
+                      f"{type(self.batch_sharding).__name__}")
     self._accumulate = jax.jit(self._accumulate_impl, donate_argnums=1)
     self._zeros = jax.jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p))
     self._update = jax.jit(self._update_impl)
@@ -151,7 +169,7 @@ class Trainer:
       except StopIteration:
         break
       # Every process sees the same global total, so all stop at the same micro-batch.
-      total += _global_count(self.count_documents(batch))
+      total += _global_count(_document_count(self.count_documents(batch)))
       pulled.append(batch)
     if not pulled:
       raise StopIteration("Trainer.pull: the batch iterator is exhausted")
@@ -176,7 +194,9 @@ class Trainer:
     loss) and the summed aux (``None`` without ``has_aux``). ``num_documents`` of
     0 (no document at all) divides by 1.
     """
-    divisor = jnp.float32(max(int(num_documents), 1))
+    num_documents = val.check_int("Trainer.gradients", "num_documents", num_documents,
+                                  minimum=0)
+    divisor = jnp.float32(max(num_documents, 1))
     acc = self._zeros(params)
     loss, aux = jnp.float32(0), None
     for mb in micro_batches:

@@ -1,7 +1,10 @@
-"""Test configuration: the `gpu` marker skips with a reason where JAX sees no GPU."""
+"""Test configuration: an 8-device host mesh, the persistent compile cache, and the
+``gpu`` / ``hopper`` markers, which skip with a reason where the device is missing."""
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 
 import jax
@@ -14,14 +17,18 @@ from jaxrl_kernels import _backend
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
-# No FMA contraction in XLA's CPU code: the interpreted kernels' bits must not depend on
-# how XLA fuses them (jaxrl_kernels/_backend.py explains; test_backend.py checks).
+# No FMA contraction in XLA's CPU code, for the tests of implementation="interpret": the
+# interpreted Pallas kernels' bits must not depend on how XLA fuses them
+# (jaxrl_kernels/_backend.py explains; test_backend.py checks). The "cpu" implementation
+# needs no flag; its own test runs in a subprocess with the default flags.
 os.environ["XLA_FLAGS"] = _backend.no_fma_xla_flags()
 # CI time on 2 cores is mostly XLA compiling interpreted kernels: programs that take over a
 # second to compile are kept on disk for the session, so a later test (or a module after
 # the caches below are cleared) with the same program loads it instead (same executable,
-# same bits).
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxrl-kernels-xla-"))
+# same bits). The folder is removed when the session's process exits.
+_CACHE_DIR = tempfile.mkdtemp(prefix="jaxrl-kernels-xla-")
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
@@ -36,18 +43,27 @@ def _free_compiled_programs():
   gc.collect()
 
 
-def _has_gpu() -> bool:
+def _platform() -> str:
   try:
-    return jax.default_backend() == "gpu"
+    return jax.default_backend()
   except RuntimeError:
-    return False
+    return "none"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-  if _has_gpu():
-    return
-  skip = pytest.mark.skip(reason=f"needs a CUDA GPU; JAX's default backend here is "
-                                 f"{jax.default_backend()!r}")
+  """``hopper`` implies ``gpu`` (so ``-m gpu`` selects it); each skips with a reason where
+  its device is missing. Runs before ``-m`` deselects."""
+  on_gpu = _platform() == "gpu"
+  on_hopper = on_gpu and _backend.is_hopper()
+  no_gpu = pytest.mark.skip(reason=f"needs a CUDA GPU; JAX's default backend here is "
+                                   f"{_platform()!r}")
+  no_hopper = pytest.mark.skip(reason=f"needs a Hopper GPU (sm_90); this machine has "
+                                      f"{_backend.compute_capability() or _platform()}")
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if "hopper" in item.keywords:
+      item.add_marker(pytest.mark.gpu)
+      if not on_hopper:
+        item.add_marker(no_hopper)
+    elif "gpu" in item.keywords and not on_gpu:
+      item.add_marker(no_gpu)

@@ -1,4 +1,4 @@
-"""Shared test helpers: reordering-revealing inputs and raw-bit comparison."""
+"""Shared test helpers: reordering-revealing inputs, raw-bit comparison, tolerances."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def wide_rows(key, m: int, k: int, dtype, *, spread: int = 10) -> jax.Array:
   col_scale = 2.0 ** jax.random.randint(k2, (1, k), -spread, spread + 1).astype(jnp.float32)
   row_scale = 2.0 ** (jnp.arange(m, dtype=jnp.float32)[:, None] % (2 * spread + 1) - spread)
   return (x * col_scale * row_scale).astype(dtype)
+
+
+def attention_inputs(seed, b, t, hq, hkv, d, dtype, *, spread=10):
+  """q ``[b, t, hq, d]``, k and v ``[b, t, hkv, d]`` revealing reorderings: v rows
+  scaled by 2**e, e in [-spread, spread]."""
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(k1, (b, t, hq, d))
+  k = jax.random.normal(k2, (b, t, hkv, d))
+  v = jax.random.normal(k3, (b, t, hkv, d))
+  v = v * 2.0 ** jax.random.randint(k4, (b, t, hkv, 1), -spread, spread + 1).astype(jnp.float32)
+  return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
 def rel_err(out, ref) -> float:

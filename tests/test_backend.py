@@ -1,16 +1,31 @@
-"""``_backend``: the FMA-contraction probe behind the interpreter's bitwise contract."""
+"""``_backend``: implementation names, the error for one that cannot run here, and the
+FMA-contraction probe behind the interpreter's bitwise contract (never inside a trace)."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrl_kernels import _backend
 
-_PROBE = textwrap.dedent("""
+
+def _run(script: str, xla_flags: str) -> list[str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
+  out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout.split()
+
+
+# det_matmul with the default ("cpu") and with "interpret", in a fresh process: the FMA
+# warning comes only for "interpret", once, and names the caller's line ("<string>" is
+# the file of `python -c`).
+_WARN_PROBE = """
     import warnings
     import jax.numpy as jnp
     from jaxrl_kernels import _backend
@@ -18,17 +33,11 @@ _PROBE = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as w:
       warnings.simplefilter("always")
       det_matmul(jnp.ones((2, 8)), jnp.ones((8, 8)))
-    print(_backend.cpu_contracts_fma(),
-          sum(issubclass(x.category, _backend.FMAContractionWarning) for x in w))
-""")
-
-
-def _run(xla_flags: str) -> str:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
-  out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
-                       timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  return out.stdout.split()
+      det_matmul(jnp.ones((2, 8)), jnp.ones((8, 8)), implementation="interpret")
+      det_matmul(jnp.ones((3, 8)), jnp.ones((8, 8)), implementation="interpret")
+    fma = [x for x in w if issubclass(x.category, _backend.FMAContractionWarning)]
+    print(_backend.cpu_contracts_fma(), len(fma), fma[0].filename if fma else "-")
+"""
 
 
 def test_the_suite_runs_without_fma_contraction():
@@ -52,11 +61,12 @@ def _cpu_has_fma() -> bool:
 
 
 @pytest.mark.skipif(not _cpu_has_fma(), reason="the CPU has no FMA instructions to contract to")
-def test_fma_contraction_is_detected_and_warned():
-  """With FMA allowed (AVX2 on an FMA CPU) the probe sees the contraction and resolving the
-  interpreter warns once; with the flag it sees none and nothing warns."""
-  assert _run("--xla_cpu_max_isa=AVX2") == ["True", "1"]
-  assert _run(_backend.CPU_NO_FMA_FLAG) == ["False", "0"]
+def test_fma_contraction_is_detected_and_warned_at_the_callers_line():
+  """With FMA allowed (AVX2 on an FMA CPU) the probe sees the contraction and resolving
+  the interpreter warns once, at the user's line; the default "cpu" implementation
+  never warns; with the flag the probe sees nothing and nothing warns."""
+  assert _run(_WARN_PROBE, "--xla_cpu_max_isa=AVX2") == ["True", "1", "<string>"]
+  assert _run(_WARN_PROBE, _backend.CPU_NO_FMA_FLAG) == ["False", "0", "-"]
 
 
 def test_probe_constants_separate_fused_from_rounded():
@@ -66,3 +76,60 @@ def test_probe_constants_separate_fused_from_rounded():
   rounded = np.float32(a * a) + c
   fused = np.float32(np.float64(a) * np.float64(a) + np.float64(c))
   assert rounded == 0.0 and fused == np.float32(2.0 ** -24)
+
+
+# The first call of the process happens inside a trace: eager shard_map (vocab_parallel_logp
+# on a mesh), a user's own shard_map around det_matmul, and jit. The probe must not run
+# inside any of them (no device_put within shard_map), and later calls work too.
+_TRACE_PROBE = """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jaxrl_kernels as jk
+    from jaxrl_kernels._compat import shard_map
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    h = jnp.ones((4, 16)); w = jnp.ones((16, 256)) * 0.01; t = jnp.arange(4)
+    for impl in ("interpret", None):
+      a = jk.vocab_parallel_logp(h, w, t, mesh=mesh, weight_spec=P(None, "tp"),
+                                 implementation=impl)
+      f = shard_map(lambda x: jk.det_matmul(x, w, implementation=impl), mesh=mesh,
+                    in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
+      b = f(h)
+      c = jax.jit(lambda x: jk.det_matmul(x, w, implementation=impl))(h)
+      print(bool(jnp.all(jnp.isfinite(a))), b.shape == (4, 256), c.shape == (4, 256))
+"""
+
+
+def test_no_probe_inside_a_trace_in_a_fresh_process():
+  """With the user's default XLA flags (FMA contraction on where the CPU has it)."""
+  out = _run(_TRACE_PROBE, "--xla_force_host_platform_device_count=2")
+  assert out == ["True"] * 6
+
+
+def test_probe_inside_jit_and_shard_map_returns_without_tracing():
+  """Called while tracing, the probe runs on its own thread and answers a bool."""
+  _backend.cpu_contracts_fma.cache_clear()
+  seen = []
+
+  @jax.jit
+  def f(x):
+    seen.append(_backend.cpu_contracts_fma())
+    return x + 1
+
+  f(jnp.ones(3))
+  assert seen == [False]
+
+
+def test_unknown_and_unavailable_implementations():
+  with pytest.raises(ValueError, match=r"implementation must be one of .*got 'cublas'"):
+    _backend.resolve("op", "cublas", jnp.float32)
+  with pytest.raises(ValueError, match="not available for this op"):
+    _backend.resolve("op", "cuda", jnp.float32, supported=("triton", "interpret"))
+  if _backend.platform() == "cpu":
+    with pytest.raises(_backend.ImplementationUnavailableError,
+                       match=r"needs a CUDA GPU.*implementation='interpret' on CPU"):
+      _backend.resolve("op", "triton", jnp.float32, supported=("triton", "interpret"))
+    assert issubclass(_backend.ImplementationUnavailableError, RuntimeError)
+    # The CPU default, and the interpreter where an op has no "cpu" implementation.
+    assert _backend.resolve("op", None, jnp.bfloat16) == "cpu"
+    assert _backend.resolve("op", None, jnp.bfloat16, supported=("interpret", "xla")) == (
+        "interpret")

@@ -1,11 +1,18 @@
-"""The command line end to end on this device: ``parity`` (default), ``kernels``, ``grpo-demo``."""
+"""The command line end to end on this device: ``parity`` (default), ``kernels``, ``grpo-demo``;
+its manners: unknown commands, ``--version``, help text, arguments refused before any work."""
 
+import os
+import subprocess
 import sys
+import time
 import types
 
 import numpy as np
+import pytest
 
+import jaxrl_kernels
 import jaxrl_kernels.nn.sampler
+from jaxrl_kernels import parity
 from jaxrl_kernels.__main__ import main
 
 SMALL = ["--model", "test", "--batch", "3", "--prompt-len", "4", "--new-tokens", "5",
@@ -25,10 +32,107 @@ def test_parity_is_the_default_and_exits_zero(capsys):
   assert "jaxrl_kernels is bitwise on-policy" in out
 
 
-def test_parity_with_tensor_parallel_head(capsys):
-  assert main(["parity", *SMALL, "--vocab-size", "256", "--tp", "2"]) == 0
+def test_parity_with_tensor_parallel_head_pads_the_vocabulary(capsys):
+  # The preset's V=64 is one 128-wide vocab tile: TP=2 needs two tiles of real ids, so the
+  # CLI pads the head to 2 x 128 itself instead of failing inside the TP head.
+  assert main(["parity", *SMALL, "--tp", "2"]) == 0
   out = capsys.readouterr().out
+  assert "V=256 (64 padded for TP=2)" in out
   assert "vocab-parallel head, TP=2" in out and "jaxrl_kernels is bitwise on-policy" in out
+
+
+@pytest.mark.parametrize("vocab, tp, valid", [(64, 2, None), (128, 2, None), (129, 2, 256),
+                                               (256, 2, 256), (300, 3, 384), (200, 3, None),
+                                               (1000, 8, 1024), (64, 1, 64)])
+def test_tp_vocab_size(vocab, tp, valid):
+  if tp == 1:
+    assert parity.model_vocab_size(vocab, None, tp) == vocab
+    return
+  # What the TP head pads a vocabulary to: whole 128-wide tiles per shard, and every shard
+  # holds at least one real id (None: no such padding exists).
+  assert parity.tp_vocab_size(vocab, tp) == valid
+  if valid is not None:
+    v_s = valid // tp
+    assert v_s % 128 == 0 and (tp - 1) * v_s < vocab <= valid
+  # The model's vocabulary the CLI picks: the preset's where it splits, else the preset's
+  # rounded up to a multiple of tp x 128, which always splits.
+  model_v = parity.model_vocab_size(vocab, None, tp)
+  assert model_v == (vocab if valid else -(-vocab // (tp * 128)) * tp * 128)
+  assert parity.tp_vocab_size(model_v, tp) is not None
+
+
+def test_a_vocabulary_tp_cannot_split_is_refused_before_any_work(capsys):
+  t0 = time.perf_counter()
+  with pytest.raises(SystemExit) as e:
+    main([*SMALL, "--tp", "3", "--vocab-size", "200"])
+  assert e.value.code == 2 and time.perf_counter() - t0 < 5
+  out, err = capsys.readouterr()
+  assert out == ""  # nothing ran: not even the header
+  assert err.count("\n") == 1 and "--vocab-size 200 cannot be split over --tp 3" in err
+  assert "use --vocab-size > 256, or leave it out" in err
+
+
+def test_tp_on_one_device_says_what_to_do_before_any_work():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # a one-device CPU
+  t0 = time.perf_counter()
+  r = subprocess.run([sys.executable, "-m", "jaxrl_kernels", "--tp", "2"], env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr
+  assert r.stdout == "" and time.perf_counter() - t0 < 60
+  assert r.stderr == ("jaxrl-kernels: error: --tp 2 needs 2 devices, JAX sees 1 (cpu); "
+                      "--device cpu makes a host mesh of 2 CPU devices\n")
+
+
+def test_unknown_command_lists_the_commands_and_the_closest(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["kernel"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "unknown command 'kernel'; did you mean 'kernels'?" in err
+  assert "(commands: parity, kernels, grpo-demo)" in err
+  with pytest.raises(SystemExit):
+    main(["zzz"])
+  assert "did you mean" not in capsys.readouterr().err
+
+
+def test_version(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["--version"])
+  assert e.value.code == 0
+  assert capsys.readouterr().out.startswith(f"jaxrl-kernels {jaxrl_kernels.__version__} (jax ")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["parity", "-h"], ["kernels", "-h"],
+                                  ["grpo-demo", "-h"]])
+def test_help_is_plain_text_with_defaults(argv, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  assert "``" not in out and ":mod:" not in out and ":func:" not in out and "**" not in out
+  assert max(len(line) for line in out.splitlines()) <= 100
+  if argv[0] == "--help":
+    assert "parity" in out and "kernels" in out and "grpo-demo" in out and "--version" in out
+  elif argv[0] == "grpo-demo":
+    assert "(default: 80)" in out and "(default: 0.003)" in out
+  else:
+    assert "(default: bfloat16)" in out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--implementation", "interpret"], True),
+    (["parity", "--implementation", "cpu"], False),
+    (["kernels", "--implementation", "xla"], False),
+    (["kernels"], False),  # the CPU default, "cpu", needs no flag
+])
+def test_no_fma_flag_only_for_interpreted_kernels(argv, flag, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  seen = []
+  monkeypatch.setattr(parity, "run_parity", lambda args: seen.append(os.environ["XLA_FLAGS"]))
+  monkeypatch.setattr(parity, "run_kernels", lambda args: seen.append(os.environ["XLA_FLAGS"]))
+  main(argv)
+  assert ("--xla_cpu_max_isa=AVX" in seen[0]) == flag
+  assert "--xla_force_host_platform_device_count=8" in seen[0]
 
 
 def test_parity_exits_nonzero_when_the_trainer_drifts(capsys, monkeypatch):
@@ -69,3 +173,18 @@ def test_progress_falls_back_to_prints_without_rich(capsys, monkeypatch):
     bar.stage("score")
     bar.finish()
   assert capsys.readouterr().out == "[1/2] sample\n[2/2] score\n"
+
+
+def test_package_ships_py_typed():
+  import importlib.resources
+  import tomllib
+  assert importlib.resources.files("jaxrl_kernels").joinpath("py.typed").is_file()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)
+  assert "py.typed" in project["tool"]["setuptools"]["package-data"]["jaxrl_kernels"]
+  # orbax-checkpoint is an extra that names what it is for; the core does not need it.
+  deps = project["project"]["dependencies"]
+  assert not any("orbax" in d for d in deps) and any(d.startswith("flax>=0.12,<0.13") for d in deps)
+  assert project["project"]["optional-dependencies"]["orbax"] == ["orbax-checkpoint"]
+  assert project["project"]["version"] == jaxrl_kernels.__version__

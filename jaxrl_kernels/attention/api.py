@@ -11,17 +11,27 @@ only on ``q[b, i, h]``, ``k[b, :last + 1]``, ``v[b, :last + 1]``
 the query is computed one at a time against a KV cache (decode), in chunks, or
 with its whole sequence (prefill), nor on whether it runs under ``jax.grad``.
 
-Implementations: ``"mosaic"`` (``pallas/attention_mosaic.py``: TMA + wgmma,
-Hopper, bf16/fp16, ``D`` in ``attention_mosaic.HEAD_DIMS``; the default there),
-``"triton"`` (``pallas/attention_triton.py``: any CUDA GPU, every dtype, ``D``
-a multiple of 16 up to 256), ``"interpret"`` (the Triton kernels on the CPU).
-The two GPU kernels have different constants (64 x 128 vs 64 x 64 tiles), so
-their bits differ from each other; each is invariant on its own. The default
-picks one by dtype and ``D`` only (static, the same for a model's decode and
-prefill), never by ``B``, ``Tq`` or ``S``. Gradients always use the Triton
-backward kernels, fed with the forward's own output and logsumexp.
-``implementation="xla"`` (the materialised baseline) has none of these
-guarantees.
+Implementations (the table :data:`BACKENDS`, one file each in this folder):
+``"mosaic"`` (``mosaic.py``: TMA + wgmma, Hopper, bf16/fp16, ``D`` in
+``attention_mosaic.HEAD_DIMS``; the default there), ``"triton"``
+(``triton.py``: any CUDA GPU, every dtype, ``D`` a multiple of 16 up to 256),
+``"cpu"`` (``cpu.py``: fixed-shape XLA CPU dots, invariant with XLA's default
+CPU flags, any ``D``; the CPU default) and ``"interpret"`` (the Triton kernels
+run by the Pallas interpreter on the CPU, for tests of their semantics; never
+the default). The kernels have different constants (tiles of 64 x 128, 64 x
+64, 32 x 128), so their bits differ from each other; each is invariant on its
+own. The default picks one by device, dtype and ``D`` only (static, the same
+for a model's decode and prefill), never by ``B``, ``Tq`` or ``S``. Gradients
+run the backend's backward (the Triton kernels for ``"mosaic"``), fed with the
+forward's own output and logsumexp. ``"xla"`` (``xla.py``, the materialised
+baseline) has none of these guarantees. The float64 truth is ``reference.py``.
+
+Padding never leaks: keys at or past ``kv_lengths`` are never read (they may
+hold NaN), and a query that sees no key (position -1) outputs 0 and adds
+nothing to any gradient, whatever its ``q`` or ``d_out`` hold. (A key before
+``kv_lengths`` that a query does not see is multiplied by an exact 0 in
+``P @ V``: finite values change no bit, but a NaN there reaches the query,
+unless it lies past the last key any query of the block sees.)
 """
 
 from __future__ import annotations
@@ -29,36 +39,39 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxrl_kernels import _backend
-from jaxrl_kernels.attention.reference import causal_attention_xla
-from jaxrl_kernels.pallas import attention_mosaic, attention_triton
+from jaxrl_kernels import _backend, _validation
+from jaxrl_kernels.attention import cpu, mosaic, triton
+from jaxrl_kernels.attention.base import AttentionBackend
+from jaxrl_kernels.attention.xla import causal_attention_xla
+from jaxrl_kernels.pallas import attention_triton
 
+_OP = "causal_attention"
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-_SUPPORTED = ("mosaic", "triton", "interpret", "xla")
+
+# The one dispatch table: implementation name -> the kernels of its forward and
+# backward. ``"xla"`` (attention/xla.py) is plain XLA under jax's own autodiff.
+BACKENDS: dict[str, AttentionBackend] = {
+    "mosaic": mosaic.BACKEND,
+    "triton": triton.TRITON,
+    "interpret": triton.INTERPRET,
+    "cpu": cpu.BACKEND,
+}
+IMPLEMENTATIONS = (*BACKENDS, "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
   scale: float
-  impl: str  # "mosaic", "triton" or "interpret"
-
-  @property
-  def interpret(self) -> bool:
-    return self.impl == "interpret"
+  impl: str  # a key of BACKENDS
 
 
 def _forward(q, k, v, q_positions, kv_lengths, st):
-  """``(out, lse2)`` of the forward kernel of ``st.impl`` (one per implementation)."""
-  if st.impl == "mosaic":
-    return attention_mosaic.forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
-  return attention_triton.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
-                                  interpret=st.interpret)
+  """``(out, lse2)`` of the forward kernel of ``st.impl``."""
+  return BACKENDS[st.impl].forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -74,9 +87,8 @@ def _attention_fwd(q, k, v, q_positions, kv_lengths, st):
 
 def _attention_bwd(st, res, d_out):
   q, k, v, q_positions, kv_lengths, out, lse = res
-  # The Mosaic forward writes the Triton forward's residual format (base-2 lse).
-  dq, dk, dv = attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
-                                         scale=st.scale, interpret=st.interpret)
+  dq, dk, dv = BACKENDS[st.impl].backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
+                                          scale=st.scale)
   return dq, dk, dv, None, None
 
 
@@ -105,7 +117,7 @@ def _validate(q, k, v, q_positions, kv_lengths, scale, impl):
   if hkv == 0 or hq % hkv:
     raise ValueError(f"causal_attention: the number of query heads ({hq}) must be a multiple "
                      f"of the number of kv heads ({hkv})")
-  if impl != "xla" and (d % 16 or not 16 <= d <= attention_triton.MAX_HEAD_DIM):
+  if impl in ("triton", "interpret", "mosaic") and triton.supported(d, q.dtype) is not None:
     raise ValueError(f"causal_attention: the kernels support head dims that are multiples of 16 "
                      f"in [16, {attention_triton.MAX_HEAD_DIM}], got {d}")
   if q_positions is not None:
@@ -122,12 +134,8 @@ def _validate(q, k, v, q_positions, kv_lengths, scale, impl):
       raise TypeError(f"causal_attention: kv_lengths must be integers, got {kv_lengths.dtype}")
   if scale is None:
     return 1.0 / math.sqrt(d)
-  if isinstance(scale, jax.core.Tracer) or not isinstance(scale, numbers.Real | np.ndarray):
-    raise TypeError(f"causal_attention: scale must be a static float, got {scale!r}")
-  scale = float(scale)
-  if not math.isfinite(scale):
-    raise ValueError(f"causal_attention: scale must be finite, got {scale}")
-  return scale
+  # A static, finite, positive number (it is part of the kernels' jit cache key).
+  return _validation.as_scalar(_OP, "scale", scale, positive=True, allow_traced=False)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -147,36 +155,38 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       are the last ``Tq`` tokens; ``Tq == S`` is a prefill).
     kv_lengths: ``[B]`` int, default ``S``: keys at or past it are never read
       (a KV cache may hold garbage there, NaN included).
-    scale: static float, default ``1 / sqrt(D)``.
+    scale: static positive finite number, default ``1 / sqrt(D)``.
     implementation: ``"mosaic"`` (Hopper, bf16/fp16, ``D`` in {64, 128}; the
       default there, other head dims and fp32 default to ``"triton"``),
       ``"triton"`` (any CUDA GPU; ``D`` a multiple of 16 up to 256),
-      ``"interpret"`` (the Triton kernels on CPU; the CPU default) or ``"xla"``
-      (materialised reference; not invariant, never the default).
+      ``"cpu"`` (XLA CPU code, any ``D``; the CPU default), ``"interpret"``
+      (the Triton kernels on CPU, for tests) or ``"xla"`` (materialised
+      baseline; not invariant, never the default). One that
+      cannot run here raises ``_backend.ImplementationUnavailableError``.
 
   Returns:
     ``[B, Tq, Hq, D]`` in q's dtype; bitwise decode/prefill-, batch-, padding-,
-    chunk- and mode-invariant for ``"mosaic"``, ``"triton"`` and ``"interpret"``
-    (each on its own; module docstring).
+    chunk- and mode-invariant for ``"mosaic"``, ``"triton"``, ``"cpu"`` and
+    ``"interpret"`` (each on its own; module docstring).
 
-  Gradients w.r.t. q, k, v (``jax.custom_vjp``, Pallas flash-attention backward
-  kernels; deterministic run to run; dk/dv sum over the rows of a batch entry).
+  Gradients w.r.t. q, k, v (``jax.custom_vjp``, flash-attention style backward
+  recomputing the probabilities from the saved logsumexp; deterministic run to
+  run, for ``"cpu"`` dq rows are batch-invariant; dk/dv sum over the rows of a
+  batch entry).
+  No forward-mode ``jax.jvp``.
 
   >>> import jax.numpy as jnp
   >>> q = k = v = jnp.ones((1, 3, 2, 16))
-  >>> causal_attention(q, k, v, implementation="interpret").shape
+  >>> causal_attention(q, k, v, implementation="cpu").shape
   (1, 3, 2, 16)
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   q_positions = None if q_positions is None else jnp.asarray(q_positions)
   kv_lengths = None if kv_lengths is None else jnp.asarray(kv_lengths)
-  if implementation == "mosaic" and not _backend.is_hopper():
-    raise ValueError("causal_attention: implementation='mosaic' needs a Hopper GPU (sm_90); "
-                     "use implementation='triton' on other GPUs or 'interpret' on the CPU")
-  impl = _backend.resolve("causal_attention", implementation, q.dtype, supported=_SUPPORTED)
+  impl = _backend.resolve(_OP, implementation, q.dtype, supported=IMPLEMENTATIONS)
   scale = _validate(q, k, v, q_positions, kv_lengths, scale, impl)
   if impl == "mosaic":
-    why = attention_mosaic.supported(q.shape[3], q.dtype)
+    why = mosaic.BACKEND.supported(q.shape[3], q.dtype)
     if why is not None:
       if implementation == "mosaic":
         raise ValueError(f"causal_attention: implementation='mosaic' does not support this "

@@ -1,46 +1,50 @@
-"""Plain-XLA causal attention: the materialised baseline (``implementation="xla"``).
-
-Scores ``[B, Hkv, group, Tq, S]`` in float32 (fp32 inputs at HIGHEST precision),
-a masked softmax over keys, and ``P @ V``. Not batch-invariant (XLA picks the
-reduction order by shape); a reference and benchmark baseline only.
-"""
+"""Float64 reference for ``causal_attention`` (the truth tests and benchmarks compare against)."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-from jax import lax
+import numpy as np
 
 
-def visibility(q_positions: jax.Array, kv_lengths: jax.Array, s_len: int) -> jax.Array:
-  """``[B, Tq, S]`` bool: query ``i`` of row ``b`` sees key ``j`` iff
-  ``j <= q_positions[b, i]`` and ``j < kv_lengths[b]``."""
-  keys = jnp.arange(s_len, dtype=jnp.int32)
-  return ((keys[None, None, :] <= q_positions[:, :, None])
-          & (keys[None, None, :] < kv_lengths[:, None, None]))
+def attention_reference(q, k, v, q_positions, kv_lengths, scale: float, d_out=None):
+  """Causal grouped-query attention in float64 on the host.
 
-
-def causal_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                         kv_lengths: jax.Array, *, scale: float) -> jax.Array:
-  """``softmax(scale q k^T + mask) v`` per query head (grouped-query), in q's dtype.
+  ``out[b, i, h] = sum_j p_ij v[b, j, h // G]`` with ``p = softmax_j(scale q . k)``
+  over the keys ``j <= q_positions[b, i]``, ``j < kv_lengths[b]`` (0 for a query
+  that sees none).
 
   Args:
-    q: ``[B, Tq, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``.
-    q_positions: ``[B, Tq]`` int32; kv_lengths: ``[B]`` int32.
+    q: ``[B, Tq, Hq, D]``; k, v: ``[B, S, Hkv, D]``; q_positions ``[B, Tq]``;
+      kv_lengths ``[B]``.
+    d_out: optional ``[B, Tq, Hq, D]`` cotangent.
 
-  A query that sees no key outputs 0 (and gets zero gradient).
+  Returns:
+    ``out`` (float64 ``[B, Tq, Hq, D]``), and with ``d_out`` also
+    ``(dq, dk, dv)`` of ``sum(d_out * out)``.
   """
-  bsz, tq, hq, d = q.shape
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
-  group = hq // hkv
-  prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  qg = q.reshape(bsz, tq, hkv, group, d)
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=prec,
-                 preferred_element_type=jnp.float32) * jnp.float32(scale)
-  vis = visibility(q_positions, kv_lengths, s_len)[:, None, None]  # [B, 1, 1, Tq, S]
-  any_vis = jnp.any(vis, axis=-1, keepdims=True)
-  # Double where: rows with no visible key get finite scores, then p = 0 (no NaN grads).
-  s = jnp.where(vis, s, jnp.where(any_vis, -jnp.inf, 0.0))
-  p = jnp.where(vis, jax.nn.softmax(s, axis=-1), 0.0)
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=prec)
-  return o.reshape(bsz, tq, hq, d).astype(q.dtype)
+  g = hq // hkv
+  kk = np.repeat(k, g, axis=2)
+  vv = np.repeat(v, g, axis=2)
+  keys = np.arange(s_len)[None, None]
+  vis = (keys <= np.asarray(q_positions)[:, :, None]) & (
+      keys < np.asarray(kv_lengths)[:, None, None])  # [B, Tq, S]
+  sc = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+  sc = np.where(vis[:, None], sc, -np.inf)
+  mx = np.max(sc, axis=-1, keepdims=True)
+  mx = np.where(np.isfinite(mx), mx, 0.0)
+  e = np.where(vis[:, None], np.exp(sc - mx), 0.0)
+  den = e.sum(-1, keepdims=True)
+  p = e / np.where(den > 0, den, 1.0)
+  out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+  if d_out is None:
+    return out
+  do = np.asarray(d_out, np.float64)
+  dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+  dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+  ds = p * (dp - np.einsum("bqhd,bqhd->bhq", do, out)[..., None])
+  dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+  dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+  fold = lambda x: x.reshape(b, s_len, hkv, g, d).sum(3)  # noqa: E731
+  return out, (dq, fold(dk), fold(dv))

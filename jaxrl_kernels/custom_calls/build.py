@@ -46,7 +46,7 @@ _SRC_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = ("det_gemm_sm90.cu", "det_gemm_sm90_tile_large.cu", "det_gemm_sm90_tile_medium.cu",
            "det_gemm_sm90_tile_small.cu")
 # Shipped beside the sources; part of the cache key.
-_HEADERS = tuple(sorted(p.name for p in (*_SRC_DIR.glob("*.cuh"), *_SRC_DIR.glob("*.h"))))
+HEADERS = tuple(sorted(p.name for p in (*_SRC_DIR.glob("*.cuh"), *_SRC_DIR.glob("*.h"))))
 
 # sm_90a (not sm_90): wgmma and setmaxnreg exist only on the arch-specific target.
 _ARCH_FLAGS = ("-gencode", "arch=compute_90a,code=sm_90a")
@@ -153,7 +153,7 @@ def _nvcc_version(nvcc: str) -> str:
 def cache_key() -> str:
   """Hash of everything the library's bits depend on (sources, flags, toolchain, headers)."""
   h = hashlib.sha256()
-  for name in (*SOURCES, *_HEADERS):
+  for name in (*SOURCES, *HEADERS):
     h.update(name.encode())
     h.update((_SRC_DIR / name).read_bytes())
   h.update(repr((COMPILE_FLAGS, LINK_FLAGS)).encode())

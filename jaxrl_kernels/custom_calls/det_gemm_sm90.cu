@@ -25,8 +25,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -55,32 +53,19 @@ ffi::Error CudaError(const char* what, cudaError_t err) {
                         cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
-// The tile configuration: the `tile` attribute, chosen by the caller from the
-// shape (gemm_ffi.py: tile_for), unless JAXRL_DET_GEMM_TILE (large, medium,
-// small) overrides it, for tuning (benchmarks/tune_gemm_cuda.py); read
-// at every call. All tiles give the same bits.
-int TileFor(int32_t tile_attr) {
-  if (const char* t = std::getenv("JAXRL_DET_GEMM_TILE"); t != nullptr && *t != '\0') {
-    if (std::strcmp(t, "large") == 0) return det_gemm::kLarge;
-    if (std::strcmp(t, "medium") == 0) return det_gemm::kMedium;
-    if (std::strcmp(t, "small") == 0) return det_gemm::kSmall;
-  }
-  return tile_attr;
-}
-
 template <int kIn, int kOut, bool kLhsT, bool kRhsT>
-ffi::Error RunTiled(int tile, cudaStream_t stream, int m, int n, int k, const void* lhs,
-                    const void* rhs, void* out) {
+ffi::Error RunTiled(int tile, det_gemm::WalkKnobs walk, cudaStream_t stream, int m, int n,
+                    int k, const void* lhs, const void* rhs, void* out) {
   switch (tile) {
     case det_gemm::kLarge:
-      return ToFfi(RunTile<det_gemm::kLarge, kIn, kOut, kLhsT, kRhsT>(stream, m, n, k, lhs, rhs,
-                                                                      out));
+      return ToFfi(RunTile<det_gemm::kLarge, kIn, kOut, kLhsT, kRhsT>(stream, walk, m, n, k, lhs,
+                                                                      rhs, out));
     case det_gemm::kMedium:
-      return ToFfi(RunTile<det_gemm::kMedium, kIn, kOut, kLhsT, kRhsT>(stream, m, n, k, lhs, rhs,
-                                                                       out));
+      return ToFfi(RunTile<det_gemm::kMedium, kIn, kOut, kLhsT, kRhsT>(stream, walk, m, n, k, lhs,
+                                                                       rhs, out));
     case det_gemm::kSmall:
-      return ToFfi(RunTile<det_gemm::kSmall, kIn, kOut, kLhsT, kRhsT>(stream, m, n, k, lhs, rhs,
-                                                                      out));
+      return ToFfi(RunTile<det_gemm::kSmall, kIn, kOut, kLhsT, kRhsT>(stream, walk, m, n, k, lhs,
+                                                                      rhs, out));
     default:
       return ffi::Error::InvalidArgument("jaxrl_det_gemm_sm90: tile must be 0.." +
                                          std::to_string(det_gemm::kNumTiles - 1) + ", got " +
@@ -91,17 +76,18 @@ ffi::Error RunTiled(int tile, cudaStream_t stream, int m, int n, int k, const vo
 // The layouts det_matmul uses: forward NN / NT, dA = dC B^T (NT or NN),
 // dB = A^T dC (TN, output = input dtype). TT has no caller and is not compiled.
 template <int kIn, int kOut>
-ffi::Error DispatchLayout(int tile, cudaStream_t stream, bool lhs_t, bool rhs_t, int m, int n,
-                          int k, const void* lhs, const void* rhs, void* out) {
+ffi::Error DispatchLayout(int tile, det_gemm::WalkKnobs walk, cudaStream_t stream, bool lhs_t,
+                          bool rhs_t, int m, int n, int k, const void* lhs, const void* rhs,
+                          void* out) {
   if (!lhs_t && !rhs_t) {
-    return RunTiled<kIn, kOut, false, false>(tile, stream, m, n, k, lhs, rhs, out);
+    return RunTiled<kIn, kOut, false, false>(tile, walk, stream, m, n, k, lhs, rhs, out);
   }
   if (!lhs_t && rhs_t) {
-    return RunTiled<kIn, kOut, false, true>(tile, stream, m, n, k, lhs, rhs, out);
+    return RunTiled<kIn, kOut, false, true>(tile, walk, stream, m, n, k, lhs, rhs, out);
   }
   if (lhs_t && !rhs_t) {
     if constexpr (kIn == kOut) {
-      return RunTiled<kIn, kOut, true, false>(tile, stream, m, n, k, lhs, rhs, out);
+      return RunTiled<kIn, kOut, true, false>(tile, walk, stream, m, n, k, lhs, rhs, out);
     }
   }
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -127,7 +113,7 @@ const char* DtypeName(ffi::DataType t) {
 
 ffi::Error DetGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                        ffi::Result<ffi::AnyBuffer> out, bool lhs_transposed, bool rhs_transposed,
-                       int32_t tile_attr) {
+                       int32_t tile, int32_t swizzle, int32_t raster) {
   auto ld = lhs.dimensions();
   auto rd = rhs.dimensions();
   auto od = out->dimensions();
@@ -182,10 +168,12 @@ ffi::Error DetGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer r
     }
   }
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  const int tile = TileFor(tile_attr);
+  // The tile configuration and the CTA walk are free knobs chosen by the caller
+  // (gemm_ffi.py: CudaGemmConfig, tile_for); all of them give the same bits.
+  const det_gemm::WalkKnobs walk{swizzle, raster};
   const auto run = [&](auto in_tag, auto out_tag) {
     return DispatchLayout<decltype(in_tag)::value, decltype(out_tag)::value>(
-        tile, stream, lhs_transposed, rhs_transposed, mi, ni, ki, a, b, d);
+        tile, walk, stream, lhs_transposed, rhs_transposed, mi, ni, ki, a, b, d);
   };
   using BF16 = std::integral_constant<int, det_gemm::kBF16>;
   using F16 = std::integral_constant<int, det_gemm::kF16>;
@@ -220,5 +208,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDetGemmSm90, jaxrl_kernels::DetGemmImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // out
                                   .Attr<bool>("lhs_transposed")
                                   .Attr<bool>("rhs_transposed")
-                                  .Attr<int32_t>("tile"),
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("swizzle")
+                                  .Attr<int32_t>("raster"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -22,6 +22,16 @@ constexpr int kNumTiles = 3;
 // Element types: the input type and the output type of the kernel.
 enum DtypeId : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
+// The persistent scheduler's walk over output tiles (free knobs, the FFI
+// attributes `swizzle` and `raster`): `swizzle` tile rows (or columns) walked
+// together, 0 for the default by M; `raster` 0 = CUTLASS's heuristic, 1 = along
+// M, 2 = along N. They move tiles between CTAs, never a tile's K order.
+struct WalkKnobs {
+  int swizzle = 0;
+  int raster = 0;
+};
+enum RasterId : int { kRasterHeuristic = 0, kRasterAlongM = 1, kRasterAlongN = 2 };
+
 // A launch result: empty on success, else the message of the failure;
 // `invalid_argument` tells a caller error (CUTLASS cannot run the shape) from
 // an internal one.
@@ -31,12 +41,13 @@ struct Status {
   bool ok() const { return error.empty(); }
 };
 
-// Enqueues out = op(lhs) @ op(rhs) on `stream` with tile configuration kTile.
+// Enqueues out = op(lhs) @ op(rhs) on `stream` with tile configuration kTile
+// and CTA walk `walk`.
 // Instantiated (explicitly) in det_gemm_sm90_tile_<name>.cu for the input /
 // output types and layouts the handler dispatches to.
 template <int kTile, int kIn, int kOut, bool kLhsT, bool kRhsT>
-Status RunTile(cudaStream_t stream, int m, int n, int k, const void* lhs, const void* rhs,
-               void* out);
+Status RunTile(cudaStream_t stream, WalkKnobs walk, int m, int n, int k, const void* lhs,
+               const void* rhs, void* out);
 
 }  // namespace det_gemm
 }  // namespace jaxrl_kernels
@@ -53,8 +64,8 @@ Status RunTile(cudaStream_t stream, int m, int n, int k, const void* lhs, const 
   X(TILE, kBF16, kBF16, true, false) X(TILE, kF16, kF16, true, false)
 
 #define JAXRL_DET_GEMM_INSTANTIATE_ONE(TILE, IN, OUT, LT, RT) \
-  template Status RunTile<TILE, IN, OUT, LT, RT>(cudaStream_t, int, int, int, const void*, \
-                                                 const void*, void*);
+  template Status RunTile<TILE, IN, OUT, LT, RT>(cudaStream_t, WalkKnobs, int, int, int, \
+                                                 const void*, const void*, void*);
 
 #define JAXRL_DET_GEMM_INSTANTIATE(TILE) \
   JAXRL_DET_GEMM_FOR_EACH_KERNEL(JAXRL_DET_GEMM_INSTANTIATE_ONE, TILE)

@@ -15,7 +15,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -58,7 +57,7 @@ struct LargeTile {
 // tiles fill the last wave of CTAs poorly (M=1024, N=14336 on 132 SMs: 448
 // large tiles are 3.4 waves, 896 medium tiles 6.8). H100, that shape: 761
 // TFLOP/s against 740 for the same tile cooperative (one tile per two
-// warpgroups) and 702 for LargeTile (benchmarks/results/gemm_h100.md, session 5).
+// warpgroups) and 702 for LargeTile (benchmarks/results/gemm_h100.md).
 struct MediumTile {
   using TileShape = Shape<_128, _128, Int<kTileK>>;
   using ClusterShape = Shape<_2, _1, _1>;
@@ -76,7 +75,7 @@ struct SmallTile {
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-// Tried and dropped (H100 sweeps, benchmarks/results/gemm_h100.md sessions 4-5):
+// Tried and dropped (H100 sweeps, benchmarks/results/gemm_h100.md):
 // 256x128 cooperative (2x1 cluster) and 128x256 cooperative with a 1x2 cluster
 // were never faster than LargeTile on any benchmark shape.
 
@@ -185,33 +184,29 @@ struct WalkOrder {
 
 // The persistent scheduler's walk over output tiles: groups of `swizzle` tile
 // rows (or columns) walked together so that concurrently running CTAs share
-// operand tiles in L2, along M or N. JAXRL_DET_GEMM_SWIZZLE (1, 2, 4, 8) and
-// JAXRL_DET_GEMM_RASTER (h = CUTLASS's heuristic, m, n) override the default,
-// for tuning (benchmarks/tune_gemm_cuda.py); read at every call.
+// operand tiles in L2, along M or N. The caller's WalkKnobs (the FFI
+// attributes; benchmarks/tune_gemm_cuda.py sweeps them) override the default.
 //
-// Default (measured on an H100, benchmarks/results/gemm_h100.md, session 3):
-// swizzle 8 from 32 rows of 128 (M >= 4096: M=8192, K=4096, N=14336 went from
-// 689 to 786 TFLOP/s), 2 from 8 rows of 128, else 1; CUTLASS's raster
-// heuristic. At 8 rows of 128 swizzle 8 halved the speed. (Counted in 128-row
-// units whatever the tile, as tuned.)
-inline WalkOrder SchedulerKnobs(int64_t m) {
+// Default (measured on an H100, benchmarks/results/gemm_h100.md): swizzle 8
+// from 32 rows of 128 (M >= 4096: M=8192, K=4096, N=14336 went from 689 to
+// 786 TFLOP/s), 2 from 8 rows of 128, else 1; CUTLASS's raster heuristic. At 8
+// rows of 128 swizzle 8 halved the speed. (Counted in 128-row units whatever
+// the tile, as tuned.)
+inline WalkOrder SchedulerKnobs(int64_t m, WalkKnobs knobs) {
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   const int64_t rows128 = (m + 127) / 128;
   WalkOrder w{rows128 >= 32 ? 8 : (rows128 >= 8 ? 2 : 1), Raster::Heuristic};
-  if (const char* s = std::getenv("JAXRL_DET_GEMM_SWIZZLE"); s != nullptr && *s != '\0') {
-    const int v = std::atoi(s);
-    if (v == 1 || v == 2 || v == 4 || v == 8) w.swizzle = v;
+  if (knobs.swizzle == 1 || knobs.swizzle == 2 || knobs.swizzle == 4 || knobs.swizzle == 8) {
+    w.swizzle = knobs.swizzle;
   }
-  if (const char* r = std::getenv("JAXRL_DET_GEMM_RASTER"); r != nullptr) {
-    if (r[0] == 'm') w.raster = Raster::AlongM;
-    if (r[0] == 'n') w.raster = Raster::AlongN;
-  }
+  if (knobs.raster == kRasterAlongM) w.raster = Raster::AlongM;
+  if (knobs.raster == kRasterAlongN) w.raster = Raster::AlongN;
   return w;
 }
 
 template <class Config>
-Status RunGemm(cudaStream_t stream, int m, int n, int k, const void* lhs, const void* rhs,
-               void* out) {
+Status RunGemm(cudaStream_t stream, WalkKnobs knobs, int m, int n, int k, const void* lhs,
+               const void* rhs, void* out) {
   using Gemm = typename Config::Gemm;
   using ElementA = typename Gemm::ElementA;
   using ElementB = typename Gemm::ElementB;
@@ -245,7 +240,7 @@ Status RunGemm(cudaStream_t stream, int m, int n, int k, const void* lhs, const 
   // The CTA walk order is a free knob: it changes which tile a CTA takes,
   // never a tile's K order (so never a bit). See SchedulerKnobs.
   {
-    const WalkOrder walk = SchedulerKnobs(m);
+    const WalkOrder walk = SchedulerKnobs(m, knobs);
     args.scheduler.max_swizzle_size = walk.swizzle;
     args.scheduler.raster_order = walk.raster;
   }
@@ -277,13 +272,13 @@ Status RunGemm(cudaStream_t stream, int m, int n, int k, const void* lhs, const 
 }
 
 template <int kTile, int kIn, int kOut, bool kLhsT, bool kRhsT>
-Status RunTile(cudaStream_t stream, int m, int n, int k, const void* lhs, const void* rhs,
-               void* out) {
+Status RunTile(cudaStream_t stream, WalkKnobs walk, int m, int n, int k, const void* lhs,
+               const void* rhs, void* out) {
   using LayoutA = std::conditional_t<kLhsT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutB = std::conditional_t<kRhsT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using Config = DetGemm<typename ElementOf<kIn>::type, typename ElementOf<kOut>::type, LayoutA,
                          LayoutB, typename TileOf<kTile>::type>;
-  return RunGemm<Config>(stream, m, n, k, lhs, rhs, out);
+  return RunGemm<Config>(stream, walk, m, n, k, lhs, rhs, out);
 }
 
 }  // namespace det_gemm

@@ -7,8 +7,10 @@ The kernel (``det_gemm_sm90.cu``) computes, for bf16 or fp16 inputs,
 with float32 accumulation over a fixed 64-wide K tile walked in ascending
 order (no split-K, no stream-K), so row ``m`` of ``out`` is bitwise
 independent of M (CONTRACT.md §1). The CUTLASS tile configuration (``TILES``)
-is a free knob picked per shape by :func:`tile_for`: every configuration runs
-the same wgmma chain per output element and gives the same bits (tested).
+and the persistent scheduler's walk are free knobs (:class:`CudaGemmConfig`,
+passed to the kernel as FFI attributes; the tile picked per shape by
+:func:`tile_for` unless the config names one): every configuration runs the
+same wgmma chain per output element and gives the same bits (tested).
 Transposed operands are read in place through the TMA descriptors.
 
 The shared library is compiled with nvcc on first use (``build.py``) and
@@ -18,6 +20,7 @@ cached; the FFI target is registered with XLA once per process.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import jax
@@ -25,30 +28,64 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_kernels import _backend
+from jaxrl_kernels.contract import GEMM_TILE_K
 from jaxrl_kernels.custom_calls import build
+from jaxrl_kernels.pallas._common import cdiv, num_sms, round_up
 
 TARGET_NAME = "jaxrl_det_gemm_sm90"
 INPUT_DTYPES = ("bfloat16", "float16")
 # TMA: the contiguous dimension of every operand spans a multiple of 16 bytes.
 _ALIGN_BYTES = 16
-# Part of the numerical contract, mirrored from det_gemm_sm90_kernels.cuh (kTileK).
-TILE_K = 64
+# The contract's K tile; det_gemm_sm90_kernels.cuh's kTileK must equal it
+# (tests/test_contract.py reads the source).
+TILE_K = GEMM_TILE_K
 # The CUTLASS tile configurations (det_gemm_sm90.h: TileId; the index is the FFI
 # attribute): name -> (CTA rows, CTA columns).
 TILES = {"large": (128, 256), "medium": (128, 128), "small": (64, 128)}
+# The scheduler's raster orders (det_gemm_sm90.h: RasterId; the index is the FFI
+# attribute): CUTLASS's heuristic, along M, along N.
+RASTERS = ("heuristic", "m", "n")
+SWIZZLES = (0, 1, 2, 4, 8)
 # Time of a medium (128x128) tile in units of half a large (128x256) tile: the
-# smaller tile reads more operand bytes per flop. Fit on an H100 for the
-# cooperative 128x128 tile (1.05-1.23, session 4); the ping-pong tile that
-# replaced it measured 1.05 at M=1024, N=14336 (session 5). 1.12 makes the same
-# choices on every benchmark shape (benchmarks/results/gemm_h100.md).
+# smaller tile reads more operand bytes per flop. Fit on an H100 for a
+# cooperative 128x128 tile (1.05-1.23); the ping-pong tile in use measured 1.05
+# at M=1024, N=14336. 1.12 makes the same choices on every benchmark shape
+# (benchmarks/results/gemm_h100.md).
 MEDIUM_TILE_COST = 1.12
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaGemmConfig:
+  """Free knobs of the CUDA GEMM (none touches a row's K order; all give the same bits).
+
+  Attributes:
+    tile: a key of ``TILES``, or None for :func:`tile_for`'s choice by shape.
+    swizzle: tile rows (or columns) the persistent scheduler walks together,
+      one of 1, 2, 4, 8; 0 for the default by M (det_gemm_sm90_kernels.cuh:
+      SchedulerKnobs).
+    raster: the walk's direction, one of ``RASTERS`` (``"heuristic"``: CUTLASS's).
+  """
+
+  tile: str | None = None
+  swizzle: int = 0
+  raster: str = "heuristic"
+
+  def __post_init__(self):
+    if self.tile is not None and self.tile not in TILES:
+      raise ValueError(f"CudaGemmConfig: tile must be one of {tuple(TILES)} or None, got "
+                       f"{self.tile!r}")
+    if self.swizzle not in SWIZZLES or isinstance(self.swizzle, bool):
+      raise ValueError(f"CudaGemmConfig: swizzle must be one of {SWIZZLES}, got "
+                       f"{self.swizzle!r}")
+    if self.raster not in RASTERS:
+      raise ValueError(f"CudaGemmConfig: raster must be one of {RASTERS}, got {self.raster!r}")
 
 
 _LIBRARY: list[ctypes.CDLL] = []  # keeps the loaded library referenced
 
 
 @functools.cache
-def _register() -> str:
+def register() -> str:
   """Builds (or finds in the cache) the library and registers the FFI target; once per process."""
   lib = ctypes.CDLL(str(build.build()))
   _LIBRARY.append(lib)
@@ -58,10 +95,6 @@ def _register() -> str:
   jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.JaxrlDetGemmSm90),
                               platform="CUDA")
   return TARGET_NAME
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
 
 
 def _check(lhs, rhs, lhs_transposed: bool, rhs_transposed: bool, out_dtype) -> None:
@@ -95,21 +128,6 @@ def _check(lhs, rhs, lhs_transposed: bool, rhs_transposed: bool, out_dtype) -> N
                      f"(shape {rhs.shape})")
 
 
-def _check_device() -> None:
-  if _backend.platform() != "gpu":
-    raise RuntimeError(f"matmul_cuda: implementation='cuda' needs a Hopper GPU (sm_90), but JAX's "
-                       f"default backend is {_backend.platform()!r}; use "
-                       f"implementation='interpret' on CPU")
-  if not _backend.is_hopper():
-    raise RuntimeError(f"matmul_cuda: implementation='cuda' needs a Hopper GPU (sm_90), but this "
-                       f"GPU has compute capability {_backend.compute_capability()}; use "
-                       f"implementation='triton'")
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 def tile_for(m: int, n: int, sm_count: int) -> str:
   """The tile configuration for an ``M x N`` output on ``sm_count`` SMs (a free knob).
 
@@ -122,17 +140,13 @@ def tile_for(m: int, n: int, sm_count: int) -> str:
     e.g. M=1024, N=14336: 448 large tiles are 3.4 waves on 132 SMs);
   * else ``"large"`` (128x256).
   """
-  large = _cdiv(m, 128) * _cdiv(n, 256)
+  large = cdiv(m, 128) * cdiv(n, 256)
   if 2 * large < sm_count:
     return "small"
-  medium = _cdiv(m, 128) * _cdiv(n, 128)
-  if _cdiv(medium, sm_count) * MEDIUM_TILE_COST < _cdiv(large, sm_count) * 2:
+  medium = cdiv(m, 128) * cdiv(n, 128)
+  if cdiv(medium, sm_count) * MEDIUM_TILE_COST < cdiv(large, sm_count) * 2:
     return "medium"
   return "large"
-
-
-def _sm_count() -> int:
-  return int(getattr(jax.devices()[0], "core_count", None) or 132)
 
 
 def aligned_shape(m: int, n: int, k: int, *, lhs_transposed: bool, rhs_transposed: bool,
@@ -147,9 +161,9 @@ def aligned_shape(m: int, n: int, k: int, *, lhs_transposed: bool, rhs_transpose
   out_align = _ALIGN_BYTES // jnp.dtype(out_dtype).itemsize
   # K is contiguous in [M, K] lhs and [N, K] rhs; M in [K, M] lhs; N in [K, N]
   # rhs and always in the [M, N] output.
-  kp = _round_up(k, align) if (not lhs_transposed or rhs_transposed) else k
-  mp = _round_up(m, align) if lhs_transposed else m
-  np_ = _round_up(n, out_align if rhs_transposed else max(align, out_align))
+  kp = round_up(k, align) if (not lhs_transposed or rhs_transposed) else k
+  mp = round_up(m, align) if lhs_transposed else m
+  np_ = round_up(n, out_align if rhs_transposed else max(align, out_align))
   return mp, np_, kp
 
 
@@ -162,7 +176,7 @@ def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 
 def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
-                out_dtype) -> jax.Array:
+                out_dtype, config: CudaGemmConfig | None = None) -> jax.Array:
   """Deterministic ``op(lhs) @ op(rhs)`` on Hopper through the CUDA custom call.
 
   Args:
@@ -173,6 +187,8 @@ def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_tra
       ``dB = A^T dC``.
     out_dtype: the input dtype or float32 (only the input dtype with
       ``lhs_transposed``).
+    config: the free knobs (default ``CudaGemmConfig()``: tile by shape,
+      default walk); every config gives the same bits.
 
   Returns:
     ``[M, N]`` in ``out_dtype``: float32 accumulation over K tiles of
@@ -192,10 +208,13 @@ def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_tra
   m = lhs.shape[1] if lhs_transposed else lhs.shape[0]
   k = lhs.shape[0] if lhs_transposed else lhs.shape[1]
   n = rhs.shape[0] if rhs_transposed else rhs.shape[1]
-  _check_device()
+  _backend.check_available("matmul_cuda", "cuda")
+  cfg = config if config is not None else CudaGemmConfig()
+  if not isinstance(cfg, CudaGemmConfig):
+    raise TypeError(f"matmul_cuda: config must be a CudaGemmConfig or None, got {config!r}")
   if m == 0 or n == 0 or k == 0:
     return jnp.zeros((m, n), out_dtype)
-  target = _register()
+  target = register()
 
   mp, np_, kp = aligned_shape(m, n, k, lhs_transposed=lhs_transposed,
                               rhs_transposed=rhs_transposed, in_dtype=lhs.dtype,
@@ -205,9 +224,10 @@ def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_tra
                     np_)
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, np_), out_dtype),
                           vmap_method="sequential")
-  tile = list(TILES).index(tile_for(mp, np_, _sm_count()))
+  tile = list(TILES).index(cfg.tile or tile_for(mp, np_, num_sms()))
   out = call(lhs_p, rhs_p, lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed,
-             tile=np.int32(tile))
+             tile=np.int32(tile), swizzle=np.int32(cfg.swizzle),
+             raster=np.int32(RASTERS.index(cfg.raster)))
   if (mp, np_) != (m, n):
     out = out[:m, :n]
   return out

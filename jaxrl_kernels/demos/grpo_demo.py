@@ -15,7 +15,7 @@ Every step:
    micro-batch's batch size (not the sampler's). We log max |Δlogp|, the k3
    KL, and whether every ratio ``exp(logp - old_logp)`` is exactly 1.
    The same comparison is also made inside the loss that ``jax.grad``
-   differentiates (columns ``*_jaxrl_grad``; see the docs for the CPU gap).
+   differentiates (columns ``*_jaxrl_grad``).
 3. **Update**: :class:`jaxrl_kernels.train.Trainer` with ``docs_per_step``
    (one document = one completion) and :func:`jaxrl_kernels.rl.grpo_loss`
    over micro-batches of whole groups, then one optax Adam step.
@@ -26,7 +26,8 @@ Step 2 runs for both paths with the *same parameters*: jaxrl_kernels
 its own decode path and recomputing with its own training forward. Only the
 jaxrl_kernels model is trained. Outputs: ``grpo_demo.csv`` and
 ``grpo_demo.png`` (reward, and mismatch on a log scale with exact zeros drawn
-on the floor) in ``--out``.
+on the floor) in ``--out``; the plot needs matplotlib (``pip install
+'jaxrl_kernels[demo]'``), without it only the CSV is written.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import optax
 from flax import nnx
 from jax import lax
 
-from jaxrl_kernels import rl
+from jaxrl_kernels import _backend, rl
 from jaxrl_kernels.nn.sampler import sample
 from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
 from jaxrl_kernels.train import Trainer
@@ -57,21 +58,27 @@ FIELDS = ("step", "reward", "exact", "max_dlogp_jaxrl", "kl_jaxrl", "ratio_exact
           "ratio_exact_jaxrl_grad", "loss", "seconds")
 
 
+DESCRIPTION = ("A short GRPO run on a toy task (a + b =): jaxrl_kernels' trainer log-probs vs "
+               "its sampler's, against the stock XLA path, at every step.")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-  p.add_argument("--steps", type=int, default=80)
-  p.add_argument("--prompts-per-step", type=int, default=8)
-  p.add_argument("--group-size", type=int, default=4)
+  p.add_argument("--steps", type=int, default=80, help="optimizer steps")
+  p.add_argument("--prompts-per-step", type=int, default=8, help="prompts (groups) per step")
+  p.add_argument("--group-size", type=int, default=4, help="completions per prompt")
   p.add_argument("--docs-per-step", type=int, default=0,
-                 help="completions per optimizer step (default: all of the step's)")
+                 help="completions per optimizer step (0: all of the step's)")
   p.add_argument("--micro-batch-groups", type=int, default=2,
                  help="groups per micro-batch (the trainer's batch size, in groups)")
-  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
   p.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                  help=f"completion tokens sampled per prompt (>= {NEW_TOKENS})")
-  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
   p.add_argument("--model", default="tiny", choices=["test", "tiny", "small"],
                  help="TinyLMConfig preset (the vocabulary is the task's 16 tokens)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--implementation", default=None, choices=_backend.IMPLEMENTATIONS,
+                 help="jaxrl_kernels' implementation (None: the device's default)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the model, the data, sampling")
   p.add_argument("--out", default="grpo_demo_out", help="folder for the CSV and the PNG")
   p.add_argument("--no-plot", action="store_true", help="write the CSV only")
   return p
@@ -114,7 +121,7 @@ def _mismatch(train_logp, old_logp, mask):
   """max |Δlogp|, the k3 KL estimate and whether every ratio is exactly 1, on active tokens."""
   train_logp, old_logp, mask = (np.asarray(x) for x in (train_logp, old_logp, mask))
   d = np.where(mask, train_logp.astype(np.float64) - old_logp, 0.0)
-  kl = float(rl.kl(jnp.asarray(train_logp), jnp.asarray(old_logp), jnp.asarray(mask)).sum()
+  kl = float(rl.kl(jnp.asarray(train_logp), jnp.asarray(old_logp), mask=jnp.asarray(mask)).sum()
              / max(int(mask.sum()), 1))
   same = bool(np.array_equal(np.where(mask, train_logp, 0).view(np.uint32),
                              np.where(mask, old_logp, 0).view(np.uint32)))
@@ -136,7 +143,8 @@ def run(args) -> list[dict]:
     raise ValueError(f"grpo-demo: --new-tokens must be >= {NEW_TOKENS} (two digits and <eos>), "
                      f"got {args.new_tokens}")
   preset = TinyLMConfig.preset(args.model)
-  cfg = TinyLMConfig(**{**preset.__dict__, "vocab_size": VOCAB})
+  cfg = TinyLMConfig(**{**preset.__dict__, "vocab_size": VOCAB,
+                        "implementation": args.implementation})
   model = TinyCausalLM(cfg, rngs=nnx.Rngs(args.seed))
   stock = TinyCausalLM(TinyLMConfig(**{**cfg.__dict__, "implementation": "xla"}),
                        rngs=nnx.Rngs(args.seed))
@@ -152,7 +160,7 @@ def run(args) -> list[dict]:
     m = nnx.merge(graphdef, p, rest)
     logp = m.logp(batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["mask"],
                   temperature=args.temperature)
-    loss, _ = rl.grpo_loss(logp, batch["old_logp"], batch["rewards"], g, batch["mask"],
+    loss, _ = rl.grpo_loss(logp, batch["old_logp"], batch["rewards"], g, mask=batch["mask"],
                            token_level=False, denominator=num_documents)
     # The log-probs the gradient is taken of, against the sampler's, on the first
     # micro-batch only (the Trainer sums aux over micro-batches; the others add 0).
@@ -172,6 +180,10 @@ def run(args) -> list[dict]:
   rng = np.random.default_rng(args.seed)
   key = jax.random.key(args.seed)
   history = []
+  print(f"grpo-demo: {args.steps} steps of {rows} completions ({args.prompts_per_step} prompts x "
+        f"{g}), micro-batches of {mb_rows} rows")
+  print("compiling the samplers and the training step (the first step takes longest) ...")
+  print(HEADER, flush=True)
   for step in range(args.steps):
     t0 = time.perf_counter()
     nnx.update(model, nnx.merge_state(state.params, rest))
@@ -199,13 +211,35 @@ def run(args) -> list[dict]:
     row.update(reward=float(reward.mean()), exact=float(exact.mean()),
                loss=float(metrics["loss"]), seconds=time.perf_counter() - t0)
     history.append(row)
-    print(f"step {step:3d}  reward {row['reward']:.3f} (exact {row['exact']:.2f})  "
-          f"jaxrl: max|dlogp| {row['max_dlogp_jaxrl']:.2e} ratio==1 "
-          f"{'yes' if row['ratio_exact_jaxrl'] else 'NO'}  |  stock XLA: max|dlogp| "
-          f"{row['max_dlogp_xla']:.2e} kl {row['kl_xla']:.2e}  |  in grad: jaxrl max|dlogp| "
-          f"{row['max_dlogp_jaxrl_grad']:.2e}  ({row['seconds']:.1f}s)",
-          flush=True)
+    print(step_line(row), flush=True)
   return history
+
+
+def _num(x: float) -> str:
+  return "0" if x == 0 else f"{x:.1e}"
+
+
+# The progress table: max |logp_train - logp_sampler| on the step's first micro-batch, for
+# jaxrl_kernels forward-only and inside jax.grad (ratio==1: both bitwise) and stock XLA.
+HEADER = (f"{'step':>4}  {'reward':>6}  {'exact':>5}  {'max|dlogp| jaxrl':>16}  {'in grad':>8}  "
+          f"{'ratio==1':>8}  {'stock XLA':>9}  {'time':>7}")
+
+
+def step_line(row: dict) -> str:
+  """One step's row of the progress table (:data:`HEADER`, under 100 columns)."""
+  ours = "yes" if row["ratio_exact_jaxrl"] and row["ratio_exact_jaxrl_grad"] else "NO"
+  return (f"{row['step']:4d}  {row['reward']:6.3f}  {row['exact']:5.2f}  "
+          f"{_num(row['max_dlogp_jaxrl']):>16}  {_num(row['max_dlogp_jaxrl_grad']):>8}  "
+          f"{ours:>8}  {_num(row['max_dlogp_xla']):>9}  {row['seconds']:6.1f}s")
+
+
+def has_matplotlib() -> bool:
+  """Whether matplotlib imports (checked before training, not after it)."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return False
+  return True
 
 
 def write_csv(history: list[dict], path: str) -> None:
@@ -217,13 +251,9 @@ def write_csv(history: list[dict], path: str) -> None:
 
 
 def plot(history: list[dict], path: str) -> None:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError as e:
-    raise RuntimeError("grpo-demo: the plot needs matplotlib (pip install matplotlib), or pass "
-                       "--no-plot") from e
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
   steps = [r["step"] for r in history]
   fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
   ax1.plot(steps, [r["reward"] for r in history], label="mean reward")
@@ -248,20 +278,26 @@ def plot(history: list[dict], path: str) -> None:
   plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
   if isinstance(argv, argparse.Namespace):
     args = argv
   else:
-    args = add_arguments(argparse.ArgumentParser(prog="jaxrl-kernels grpo-demo",
-                                                 description=__doc__.splitlines()[0]))
-    args = args.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="jaxrl-kernels grpo-demo", description=DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    args = add_arguments(parser).parse_args(argv)
+  if not args.no_plot and not has_matplotlib():
+    print("grpo-demo: matplotlib is not installed: writing the CSV only (for the plot: "
+          "pip install 'jaxrl_kernels[demo]')", flush=True)
+    args = argparse.Namespace(**{**vars(args), "no_plot": True})
   os.makedirs(args.out, exist_ok=True)
   history = run(args)
   write_csv(history, os.path.join(args.out, "grpo_demo.csv"))
   if not args.no_plot:
     plot(history, os.path.join(args.out, "grpo_demo.png"))
   ok = all(r["ratio_exact_jaxrl"] for r in history)
+  stock = sum(not r["ratio_exact_xla"] for r in history)
   print(f"wrote {args.out}/grpo_demo.csv" + ("" if args.no_plot else " and grpo_demo.png"))
+  print(f"stock XLA: the ratio differed from 1 at {stock} of {len(history)} steps")
   print("jaxrl_kernels: the on-policy ratio was exactly 1 at every step's first micro-batch"
         if ok else "jaxrl_kernels: the on-policy ratio was NOT exactly 1 at some step")
   return 0 if ok else 1

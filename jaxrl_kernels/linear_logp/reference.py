@@ -1,9 +1,7 @@
-"""Plain reference of ``linear_logp``: float64 NumPy truth for tests and a
-materialized XLA path (the ``"xla"`` implementation and benchmark baseline)."""
+"""The float64 truth of ``linear_logp`` (NumPy, on the host), for tests and benchmarks."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,7 +17,8 @@ def linear_logp_reference(hidden, weight, targets, *, bias=None, temperature=1.0
   ``z = (h W + b) / temperature``; ``logp = z[t] - lse(z)``; ``entropy = lse -
   sum p z``; ``dz = (g_logp (onehot - p) - g_ent p (z - sum p z)) / temperature``;
   ``dh = dz W^T``, ``dW = h^T dz`` (``dz^T h`` for ``"vh"``), ``db = sum_t dz``.
-  Masked rows give 0 and no gradient; active out-of-range targets give NaN.
+  Masked rows give 0 and no gradient (whatever they hold); active out-of-range
+  targets give NaN.
 
   Returns:
     ``dict`` with ``logp`` and ``entropy`` (shape of ``targets``) and, when
@@ -32,7 +31,8 @@ def linear_logp_reference(hidden, weight, targets, *, bias=None, temperature=1.0
   lead = h.shape[:-1]
   h = h.reshape(-1, h.shape[-1])
   t = np.asarray(targets).reshape(-1).astype(np.int64)
-  act = np.ones(t.shape, bool) if mask is None else np.asarray(mask).reshape(-1)
+  act = np.ones(t.shape, bool) if mask is None else np.asarray(mask).reshape(-1).astype(bool)
+  h = np.where(act[:, None], h, 0.0)
   v = w.shape[1]
   z = h @ w
   if bias is not None:
@@ -58,31 +58,8 @@ def linear_logp_reference(hidden, weight, targets, *, bias=None, temperature=1.0
   onehot = np.zeros_like(z)
   onehot[np.arange(len(t))[valid], t[valid]] = 1.0
   dz = (gl[:, None] * (onehot - p) - ge[:, None] * p * (z - mean_z[:, None])) / temperature
+  dz = np.where(act[:, None], dz, 0.0)
   out["dh"] = (dz @ w.T).reshape(*lead, -1)
   out["dw"] = (h.T @ dz) if weight_layout == "hv" else (dz.T @ h)
   out["db"] = dz.sum(axis=0)
   return out
-
-
-def linear_logp_xla(hidden2d, weight, bias, targets, mask, *, temperature, weight_layout,
-                    compute_dtype):
-  """The materialized XLA path: ``[T, V]`` float32 logits, ``log_softmax``, a
-  gather, entropy. Differentiated by JAX; **not** batch-invariant."""
-  w = weight.T if weight_layout == "vh" else weight
-  z = jnp.dot(hidden2d.astype(compute_dtype), w.astype(compute_dtype),
-              preferred_element_type=jnp.float32,
-              precision=jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None)
-  if bias is not None:
-    z = z + bias.astype(jnp.float32)
-  if temperature != 1.0:
-    z = z / jnp.float32(temperature)
-  logq = jax.nn.log_softmax(z, axis=-1)
-  v = z.shape[-1]
-  valid = (targets >= 0) & (targets < v)
-  picked = jnp.take_along_axis(logq, jnp.clip(targets, 0, v - 1)[:, None], axis=-1)[:, 0]
-  logp = jnp.where(valid, picked, jnp.nan)
-  ent = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
-  if mask is not None:
-    logp = jnp.where(mask, logp, 0.0)
-    ent = jnp.where(mask, ent, 0.0)
-  return logp, ent

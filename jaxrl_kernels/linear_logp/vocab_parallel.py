@@ -37,14 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.experimental import checkify
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_kernels import _backend, _compat
-from jaxrl_kernels.linear_logp import merge
-from jaxrl_kernels.linear_logp.api import _SUPPORTED, _validate, check_targets, supported_for
-from jaxrl_kernels.linear_logp.merge import VOCAB_TILE
-from jaxrl_kernels.pallas import linear_logp_bwd
+from jaxrl_kernels import _compat, _validation
+from jaxrl_kernels.linear_logp import api
+from jaxrl_kernels.linear_logp.config import BackwardConfig
+from jaxrl_kernels.pallas import softmax_partials as sp
 
+VOCAB_TILE = api.VOCAB_TILE
 MERGES = ("all_gather", "psum")
 
 
@@ -64,6 +65,11 @@ def pad_vocab(weight: jax.Array, tp: int, *, weight_layout: str = "hv",
   """Pads ``weight`` (and ``bias``) with zero vocab columns to
   :func:`padded_vocab_size`, so it splits into ``tp`` tile-aligned shards.
   Returns the weight, or ``(weight, bias)`` when a bias is given."""
+  _validation.check_choice("pad_vocab", "weight_layout", weight_layout, api.LAYOUTS)
+  tp = _validation.check_int("pad_vocab", "tp", tp, minimum=1)
+  weight = jnp.asarray(weight)
+  if weight.ndim != 2:
+    raise ValueError(f"pad_vocab: weight must be 2-D, got shape {weight.shape}")
   axis = 1 if weight_layout == "hv" else 0
   v = weight.shape[axis]
   extra = padded_vocab_size(v, tp) - v
@@ -84,7 +90,6 @@ def _axis_size(axis_name) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Static:
   layout: str
-  temperature: float
   compute_dtype: str
   implementation: str
   vocab_size: int
@@ -92,6 +97,8 @@ class _Static:
   tp: int
   local_vocab: int
   merge: str
+  config: BackwardConfig | None
+  check_vma: bool
 
   @property
   def n_global_tiles(self) -> int:
@@ -125,6 +132,17 @@ def _varying_axes(x) -> frozenset:
   return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
+def _gather_invariant(x, st: _Static, fill: float, reduce):
+  """``all_gather(x, tiled=True)`` typed invariant over the TP axis (what a typed
+  ``shard_map`` needs for a replicated result): each device places its tiles in a
+  buffer of ``fill`` and a ``pmax`` (m, fill -inf) or ``psum`` (s and u, which are
+  never -0; fill +0) combines them: exact, one real term per element."""
+  n_local = x.shape[0]
+  buf = jnp.full((st.tp * n_local, *x.shape[1:]), fill, x.dtype)
+  rank = lax.axis_index(st.axis_name)
+  return reduce(lax.dynamic_update_slice_in_dim(buf, x, rank * n_local, axis=0), st.axis_name)
+
+
 def _psum_merge(m, s, u, st: _Static, rank):
   """The TP-degree-dependent merge: local fold, then a ``pmax`` and two ``psum``
   of one float per token. Not bitwise TP-invariant (the control)."""
@@ -134,7 +152,7 @@ def _psum_merge(m, s, u, st: _Static, rank):
   m = jnp.where(real, m, -jnp.inf)
   s = jnp.where(real, s, 0.0)
   u = jnp.where(real, u, 0.0)
-  lse_l, _, ent_l = merge.merge_partials(m, s, u, implementation=st.implementation)
+  lse_l, _, ent_l = api.backend(st.implementation).merge_partials(m, s, u)
   has = s.sum(axis=0) > 0
   lse_l = jnp.where(has, lse_l, -jnp.inf)
   big = lax.pmax(lse_l, st.axis_name)
@@ -145,75 +163,111 @@ def _psum_merge(m, s, u, st: _Static, rank):
   return lse, lse - ent, ent
 
 
-def _forward(hidden, weight, bias, targets, mask, st: _Static):
+def _forward(hidden, weight, bias, temp, targets, mask, st: _Static):
+  be = api.backend(st.implementation)
   rank = lax.axis_index(st.axis_name)
   local_t = targets - rank * st.local_vocab
-  m, s, u, tz = _per_valid(st, lambda valid: merge.tile_partials(
-      hidden, weight, bias, local_t, weight_layout=st.layout, temperature=st.temperature,
-      compute_dtype=st.compute_dtype, implementation=st.implementation, valid_vocab=valid))
+  t_arg = 1.0 if temp is None else temp
+  m, s, u, tz = _per_valid(st, lambda valid: be.tile_partials(
+      hidden, weight, bias, local_t, layout=st.layout, temperature=t_arg,
+      compute_dtype=st.compute_dtype, vocab_offset=0, valid_vocab=valid))
   if st.merge == "all_gather":
     # Tiles past the vocabulary (padding) sit at the end of the global order: dropped.
     n = st.n_global_tiles
-    m, s, u = (lax.all_gather(x, st.axis_name, axis=0, tiled=True)[:n] for x in (m, s, u))
-    lse, mean_z, ent = merge.merge_partials(m, s, u, implementation=st.implementation)
+    if st.check_vma:
+      m, s, u = (_gather_invariant(x, st, f, r)[:n]
+                 for x, f, r in ((m, -jnp.inf, lax.pmax), (s, 0.0, lax.psum), (u, 0.0, lax.psum)))
+    else:
+      m, s, u = (lax.all_gather(x, st.axis_name, axis=0, tiled=True)[:n] for x in (m, s, u))
+    lse, mean_z, ent = be.merge_partials(m, s, u)
   else:
     lse, mean_z, ent = _psum_merge(m, s, u, st, rank)
   tz = lax.psum(tz, st.axis_name)  # one owner per row: exact
-  logp, ent = merge.finalize(tz, lse, ent, targets, mask, st.vocab_size)
+  logp, ent = sp.finalize(tz, lse, ent, targets, mask, st.vocab_size)
   return (logp, ent), (lse, mean_z, local_t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused(hidden, weight, bias, targets, mask, st):
-  return _forward(hidden, weight, bias, targets, mask, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused(hidden, weight, bias, temp, targets, mask, st):
+  return _forward(hidden, weight, bias, temp, targets, mask, st)[0]
 
 
-def _fused_fwd(hidden, weight, bias, targets, mask, st):
-  out, (lse, mean_z, local_t) = _forward(hidden, weight, bias, targets, mask, st)
-  return out, (hidden, weight, bias, targets, local_t, mask, lse, mean_z)
+def _fused_fwd(hidden, weight, bias, temp, targets, mask, st):
+  out, (lse, mean_z, local_t) = _forward(hidden, weight, bias, temp, targets, mask, st)
+  return out, (hidden, weight, bias, temp, targets, local_t, mask, lse, mean_z)
 
 
 def _fused_bwd(st, res, cts):
-  hidden, weight, bias, targets, local_t, mask, lse, mean_z = res
-  # shard_map(check_vma=False) hands each device 1/tp of a replicated output's
-  # cotangent and sums a replicated input's cotangents over devices: the sum
-  # restores the full cotangent (what the transpose of the all_gather would
-  # do), and dH is left per shard for shard_map to sum.
-  g_logp, g_ent = (lax.psum(jnp.asarray(c, jnp.float32), st.axis_name) for c in cts)
-  invalid = (targets < 0) | (targets >= st.vocab_size)
-  g_logp = jnp.where(invalid & (g_logp != 0), jnp.nan, g_logp)
-  if mask is not None:
-    g_logp = jnp.where(mask, g_logp, 0.0)
-    g_ent = jnp.where(mask, g_ent, 0.0)
+  hidden, weight, bias, temp, targets, local_t, mask, lse, mean_z = res
+  if st.check_vma:
+    # Typed shard_map: a replicated output's cotangent arrives whole, and JAX
+    # sums the per-shard dH of the replicated hidden (a varying cotangent).
+    cts = tuple(jnp.asarray(c, jnp.float32) for c in cts)
+  else:
+    # shard_map(check_vma=False) hands each device 1/tp of a replicated output's
+    # cotangent and sums a replicated input's cotangents over devices: the sum
+    # restores the full cotangent (what the transpose of the all_gather would
+    # do), and dH is left per shard for shard_map to sum.
+    cts = tuple(lax.psum(jnp.asarray(c, jnp.float32), st.axis_name) for c in cts)
+  g_logp, g_ent = api.masked_cotangents(cts, targets, mask, st.vocab_size)
 
   def local(valid):
-    return linear_logp_bwd.backward_auto(
+    return api.backend(st.implementation).backward(
         hidden, weight, bias, local_t, lse, mean_z, g_logp, g_ent, layout=st.layout,
-        temperature=st.temperature, compute_dtype=st.compute_dtype,
-        implementation=st.implementation, valid_vocab=valid)
+        temperature=1.0 if temp is None else temp, compute_dtype=st.compute_dtype,
+        vocab_offset=0, valid_vocab=valid, config=st.config)
 
   dh, dw, db = _per_valid(st, local)
   db = None if bias is None else db.astype(bias.dtype)
-  return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
+  return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+def _tp_checksum(x: jax.Array) -> jax.Array:
+  """Per-row int32 checksums of ``x``'s bits (two independent weightings), for
+  comparing rows across devices without moving them."""
+  x = x.reshape(x.shape[0], -1) if x.ndim > 1 else x[:, None]
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    width = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
+    x = lax.bitcast_convert_type(x, width)
+  bits = x.astype(jnp.int32)
+  w = jnp.arange(1, bits.shape[1] + 1, dtype=jnp.int32)
+  return jnp.stack([jnp.sum(bits, axis=1), jnp.sum(bits * w, axis=1)], axis=1)
+
+
+def _check_same_across(axis_name, **arrays) -> None:
+  """``checkify.check`` that every array is the same on every device of ``axis_name``."""
+  for name, x in arrays.items():
+    if x is None:
+      continue
+    c = _tp_checksum(x)
+    same = jnp.all(lax.pmax(c, axis_name) == lax.pmin(c, axis_name))
+    checkify.check(same, f"vocab_parallel_linear_logp: {name} differs across the devices of "
+                         f"axis {axis_name!r}; it must be the same on each (validate=True)")
+
+
 def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targets: jax.Array,
                                *, axis_name, vocab_size: int, mask: jax.Array | None = None,
-                               bias_shard: jax.Array | None = None, temperature: float = 1.0,
+                               bias_shard: jax.Array | None = None,
+                               temperature: float | jax.Array = 1.0,
                                return_entropy: bool = False, weight_layout: str = "hv",
                                fp32_head: bool = False, merge: str = "all_gather",
-                               implementation: str | None = None):
+                               implementation: str | None = None,
+                               config: BackwardConfig | None = None, validate: bool = False):
   """``linear_logp`` with the LM head's vocabulary sharded over ``axis_name``.
 
-  Call it inside ``shard_map(..., check_vma=False)``
-  (``jaxrl_kernels._compat.shard_map`` picks ``jax.shard_map`` or the
-  experimental one); :func:`vocab_parallel_logp` does the ``shard_map`` for
-  you. ``hidden``, ``targets`` and ``mask`` must be the
-  same on every device along ``axis_name`` (they may be split over other mesh
-  axes, e.g. data).
+  Call it inside ``shard_map`` (``jaxrl_kernels._compat.shard_map`` picks
+  ``jax.shard_map`` or the experimental one): with ``check_vma=False``, or
+  with JAX's default ``check_vma=True`` for ``implementation="cpu"`` (the
+  Pallas kernels do not declare how their outputs vary over mesh axes).
+  :func:`vocab_parallel_logp` does the ``shard_map`` for you. ``hidden``,
+  ``targets`` and ``mask`` must be the same on every device along
+  ``axis_name`` (they may be split over other mesh axes, e.g. data).
+  Nothing checks that unless ``validate=True``: with rows that differ across
+  the devices, each device reduces its own rows against its vocabulary shard
+  and the merged results are finite and wrong.
 
   Args:
     hidden: ``[..., H]`` float.
@@ -224,83 +278,118 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
     axis_name: the mesh axis the vocabulary is split over.
     vocab_size: the real (unpadded) vocabulary size ``V``.
     mask, bias_shard, temperature, return_entropy, weight_layout, fp32_head,
-      implementation: as in :func:`jaxrl_kernels.linear_logp` (``bias_shard``
-      is this device's ``[V_s]`` slice of the bias). ``"xla"`` is not offered:
-      the materialised path has no TP form here. ``"mosaic"`` (Hopper,
-      bf16/fp16, the default there) is TP-bitwise like the others: its tiles' bits do
-      not depend on the shard that holds them; compare against the unsharded
-      op with the same implementation.
+      implementation, config: as in :func:`jaxrl_kernels.linear_logp`
+      (``bias_shard`` is this device's ``[V_s]`` slice of the bias; a traced
+      temperature must be the same on every device). ``"xla"`` is not offered:
+      the materialised path has no TP form. ``"mosaic"`` (Hopper, bf16/fp16,
+      the default there) is TP-bitwise like the others: its tiles' bits do not
+      depend on the shard that holds them; compare against the unsharded op
+      with the same implementation.
     merge: ``"all_gather"`` (default): bitwise equal to the unsharded
       ``linear_logp`` for every TP degree. ``"psum"``: the per-shard merge
       (two floats per token on the wire); its bits depend on the TP degree.
+    validate: check (``jax.experimental.checkify.check``, so run the function
+      under ``checkify.checkify``) that ``hidden``, ``targets`` and ``mask``
+      are the same on every device of ``axis_name``: per-row checksums of
+      their bits, compared with a ``pmax`` and a ``pmin`` (``[T, 2]`` int32
+      each).
 
   Returns:
     float32 ``logp`` (and ``entropy``) of shape ``targets.shape``, the same on
     every device of ``axis_name``.
 
-  Gradients follow the convention of JAX's own collectives under
-  ``shard_map(check_vma=False)``: differentiate *outside* the ``shard_map``
-  (as :func:`vocab_parallel_logp` and ``jax.grad`` of a jitted step do). dW
-  (and db) stay local to each shard; dH is each shard's term, summed over
-  ``axis_name`` by ``shard_map``'s transpose (a sum over shards: within
-  CONTRACT section 2 of the unsharded gradient, not TP-bitwise).
+  Gradients: differentiate *outside* the ``shard_map`` (as
+  :func:`vocab_parallel_logp` and ``jax.grad`` of a jitted step do). dW (and
+  db) stay local to each shard; dH is each shard's term, summed over
+  ``axis_name`` by JAX: a sum over shards, within CONTRACT section 2 of the
+  unsharded gradient, not TP-bitwise. Forward-mode
+  autodiff is not supported (a ``custom_vjp``).
   """
-  hidden = jnp.asarray(hidden)
+  op = "vocab_parallel_linear_logp"
+  _validation.check_choice(op, "merge", merge, MERGES)
+  _validation.check_choice(op, "weight_layout", weight_layout, api.LAYOUTS)
+  _validation.check_bool(op, "validate", validate)
   weight_shard = jnp.asarray(weight_shard)
-  targets = jnp.asarray(targets)
-  if _varying_axes(weight_shard):
-    raise ValueError(
-        "vocab_parallel_linear_logp: call it inside shard_map(..., check_vma=False): its Pallas "
-        "kernels do not declare how their outputs vary over mesh axes, which check_vma=True "
-        f"requires (weight_shard is typed varying over {sorted(_varying_axes(weight_shard))})")
-  tp = _axis_size(axis_name)
-  if merge not in MERGES:
-    raise ValueError(f"vocab_parallel_linear_logp: merge must be one of {MERGES}, got {merge!r}")
-  if weight_layout not in ("hv", "vh"):
-    raise ValueError(f"vocab_parallel_linear_logp: weight_layout must be 'hv' or 'vh', got "
-                     f"{weight_layout!r}")
   if weight_shard.ndim != 2:
-    raise ValueError(f"vocab_parallel_linear_logp: weight_shard must be 2-D, got shape "
-                     f"{weight_shard.shape}")
+    raise ValueError(f"{op}: weight_shard must be 2-D, got shape {weight_shard.shape}")
+  tp = _axis_size(axis_name)
   v_s = weight_shard.shape[1] if weight_layout == "hv" else weight_shard.shape[0]
-  if not isinstance(vocab_size, int | np.integer) or vocab_size < 1:
-    raise ValueError(f"vocab_parallel_linear_logp: vocab_size must be a positive int, got "
-                     f"{vocab_size!r}")
+  vocab_size = _validation.check_int(op, "vocab_size", vocab_size, minimum=1)
   if tp * v_s < vocab_size:
-    raise ValueError(f"vocab_parallel_linear_logp: {tp} shards of {v_s} vocab columns cover "
-                     f"{tp * v_s} ids < vocab_size={vocab_size}")
+    raise ValueError(f"{op}: {tp} shards of {v_s} vocab columns cover {tp * v_s} ids < "
+                     f"vocab_size={vocab_size}")
   if tp > 1 and v_s % VOCAB_TILE:
     raise ValueError(
-        f"vocab_parallel_linear_logp: shard boundaries must fall on the {VOCAB_TILE}-wide vocab "
-        f"tile grid, but each of the {tp} shards along {axis_name!r} holds {v_s} columns; pad "
-        f"the vocabulary to {padded_vocab_size(vocab_size, tp)} columns "
+        f"{op}: shard boundaries must fall on the {VOCAB_TILE}-wide vocab tile grid, but each "
+        f"of the {tp} shards along {axis_name!r} holds {v_s} columns; pad the vocabulary to "
+        f"{padded_vocab_size(vocab_size, tp)} columns "
         f"({padded_vocab_size(vocab_size, tp) // tp} per shard; see pad_vocab)")
   if (tp - 1) * v_s >= vocab_size:
-    raise ValueError(f"vocab_parallel_linear_logp: the last shard along {axis_name!r} would "
-                     f"hold only padding ({tp} shards of {v_s} for vocab_size={vocab_size}); "
-                     f"use {padded_vocab_size(vocab_size, tp) // tp} columns per shard")
-  bias_shard = None if bias_shard is None else jnp.asarray(bias_shard)
-  if bias_shard is not None and bias_shard.shape != (v_s,):
-    raise ValueError(f"vocab_parallel_linear_logp: bias_shard must have shape ({v_s},), got "
-                     f"{bias_shard.shape}")
-  _, temperature = _validate(hidden, weight_shard, targets, bias_shard, mask, temperature,
-                             weight_layout, fp32_head, return_entropy)
-  compute_dtype = jnp.float32 if fp32_head else hidden.dtype
-  impl = _backend.resolve("vocab_parallel_linear_logp", implementation, compute_dtype,
-                          supported=supported_for(implementation,
-                                                  tuple(i for i in _SUPPORTED if i != "xla")))
-  lead = targets.shape
+    raise ValueError(f"{op}: the last shard along {axis_name!r} would hold only padding ({tp} "
+                     f"shards of {v_s} for vocab_size={vocab_size}); use "
+                     f"{padded_vocab_size(vocab_size, tp) // tp} columns per shard")
+  x = api.validate(op, hidden, weight_shard, targets, bias=bias_shard, mask=mask,
+                   temperature=temperature, weight_layout=weight_layout, fp32_head=fp32_head,
+                   return_entropy=return_entropy)
+  if config is not None and not isinstance(config, BackwardConfig):
+    raise TypeError(f"{op}: config must be a BackwardConfig or None, got {config!r}")
+  impl = api.resolve(op, implementation, x.compute_dtype,
+                     supported=api.PARTIAL_IMPLEMENTATIONS)
+  check_vma = bool(_varying_axes(weight_shard))
+  if check_vma and impl != "cpu":
+    raise ValueError(
+        f"{op}: implementation={impl!r} runs inside shard_map(..., check_vma=False) only: its "
+        f"Pallas kernels do not declare how their outputs vary over mesh axes, which "
+        f"check_vma=True requires (weight_shard is typed varying over "
+        f"{sorted(_varying_axes(weight_shard))}); implementation='cpu' runs under both")
+  lead = x.targets.shape
   t = math.prod(lead)
   if t == 0:
     logp = ent = jnp.zeros(lead, jnp.float32)
     return (logp, ent) if return_entropy else logp
-  st = _Static(weight_layout, temperature, jnp.dtype(compute_dtype).name, impl, int(vocab_size),
-               axis_name, tp, v_s, merge)
-  m2 = None if mask is None else mask.reshape(t)
-  logp, ent = _fused(hidden.reshape(t, hidden.shape[-1]), weight_shard, bias_shard,
-                     targets.reshape(t).astype(jnp.int32), m2, st)
+  h2 = x.hidden.reshape(t, x.hidden.shape[-1])
+  t2 = x.targets.reshape(t)
+  m2 = None if x.mask is None else x.mask.reshape(t)
+  if validate:
+    _check_same_across(axis_name, hidden=h2, targets=t2, mask=m2)
+  h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
+  st = _Static(weight_layout, x.compute_dtype.name, impl, vocab_size, axis_name, tp, v_s, merge,
+               config, check_vma)
+  logp, ent = _fused(h2, w, x.bias, sp.temperature_scalar(x.temperature), t2, m2, st)
   logp, ent = logp.reshape(lead), ent.reshape(lead)
   return (logp, ent) if return_entropy else logp
+
+
+def _weight_axis(weight_spec, layout: str, mesh: Mesh):
+  """The mesh axis that ``weight_spec`` splits the vocab dimension over (and only it)."""
+  spec = tuple(weight_spec) + (None,) * (2 - len(tuple(weight_spec)))
+  v_dim, h_dim = (1, 0) if layout == "hv" else (0, 1)
+  axis_name = spec[v_dim]
+  if axis_name is None or spec[h_dim] is not None:
+    raise ValueError(f"vocab_parallel_logp: weight_spec must split the vocab dimension (dim "
+                     f"{v_dim} for {layout!r}) and only it, got {weight_spec}")
+  if isinstance(axis_name, tuple):
+    if len(axis_name) != 1:
+      raise ValueError(f"vocab_parallel_logp: the vocab dimension must be split over one mesh "
+                       f"axis, got {axis_name}")
+    axis_name = axis_name[0]
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"vocab_parallel_logp: weight_spec names axis {axis_name!r}, not in the "
+                     f"mesh axes {mesh.axis_names}")
+  return spec, v_dim, axis_name
+
+
+def _placed(x, mesh: Mesh, spec: PartitionSpec):
+  """``x`` laid out as ``spec`` on ``mesh``: ``device_put`` for concrete arrays (a
+  no-op when already so), ``reshard`` for traced ones when the mesh has Explicit
+  axes (``jax.make_mesh``'s default); on Auto axes ``shard_map`` reshards them."""
+  sharding = NamedSharding(mesh, spec)
+  if isinstance(x, jax.core.Tracer):
+    explicit = jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
+    return jax.sharding.reshard(x, sharding) if explicit else x
+  if getattr(x, "sharding", None) == sharding:
+    return x
+  return jax.device_put(x, sharding)
 
 
 def vocab_parallel_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
@@ -309,6 +398,10 @@ def vocab_parallel_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array
                         mask: jax.Array | None = None, bias: jax.Array | None = None,
                         **kwargs):
   """Runs :func:`vocab_parallel_linear_logp` under ``shard_map`` on ``mesh``.
+
+  Takes global arrays, sharded or not, on any mesh (``jax.make_mesh``'s
+  Explicit axes, Auto axes, or a ``Mesh(...)``): they are resharded to the
+  layout below as needed.
 
   Args:
     hidden: ``[T, H]`` (global view).
@@ -328,38 +421,31 @@ def vocab_parallel_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array
   Returns:
     float32 ``logp`` ``[T]`` (and entropy), split like ``token_spec``.
   """
+  op = "vocab_parallel_logp"
   layout = kwargs.get("weight_layout", "hv")
-  spec = tuple(weight_spec) + (None,) * (2 - len(tuple(weight_spec)))
-  v_dim, h_dim = (1, 0) if layout == "hv" else (0, 1)
-  axis_name = spec[v_dim]
-  if axis_name is None or spec[h_dim] is not None:
-    raise ValueError(f"vocab_parallel_logp: weight_spec must split the vocab dimension (dim "
-                     f"{v_dim} for {layout!r}) and only it, got {weight_spec}")
-  if isinstance(axis_name, tuple):
-    if len(axis_name) != 1:
-      raise ValueError(f"vocab_parallel_logp: the vocab dimension must be split over one mesh "
-                       f"axis, got {axis_name}")
-    axis_name = axis_name[0]
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"vocab_parallel_logp: weight_spec names axis {axis_name!r}, not in the "
-                     f"mesh axes {mesh.axis_names}")
+  _validation.check_choice(op, "weight_layout", layout, api.LAYOUTS)
+  weight = jnp.asarray(weight) if not isinstance(weight, jax.Array) else weight
+  if weight.ndim != 2:
+    raise ValueError(f"{op}: weight must be 2-D, got shape {weight.shape}")
+  spec, v_dim, axis_name = _weight_axis(weight_spec, layout, mesh)
   v_p = weight.shape[v_dim]
-  vocab_size = v_p if vocab_size is None else vocab_size
+  vocab_size = v_p if vocab_size is None else _validation.check_int(op, "vocab_size",
+                                                                    vocab_size, minimum=1)
   tp = mesh.shape[axis_name]
   if v_p % tp:
-    raise ValueError(f"vocab_parallel_logp: the weight's {v_p} vocab columns do not split "
-                     f"evenly over {tp} devices of {axis_name!r}; pad to "
-                     f"{padded_vocab_size(vocab_size, tp)} (see pad_vocab)")
-  targets = jnp.asarray(targets)
-  if not isinstance(targets, jax.core.Tracer) and (mask is None or not isinstance(
-      mask, jax.core.Tracer)):
-    check_targets(targets, vocab_size, mask)
+    raise ValueError(f"{op}: the weight's {v_p} vocab columns do not split evenly over {tp} "
+                     f"devices of {axis_name!r}; pad to {padded_vocab_size(vocab_size, tp)} "
+                     f"(see pad_vocab)")
+  targets = _validation.as_ids(op, "targets", targets)
+  mask = _validation.as_mask(op, "mask", mask, targets.shape)
+  if _validation.is_concrete(targets, mask):
+    _validation.check_ids_in_range(op, "targets", targets, vocab_size, mask)
   tok = PartitionSpec() if token_spec is None else token_spec
   tok_axes = {a for part in tuple(tok) if part is not None
               for a in (part if isinstance(part, tuple) else (part,))}
   if axis_name in tok_axes:
-    raise ValueError(f"vocab_parallel_logp: token_spec {tok} must not split the tokens over "
-                     f"the TP axis {axis_name!r}")
+    raise ValueError(f"{op}: token_spec {tok} must not split the tokens over the TP axis "
+                     f"{axis_name!r}")
   hid_spec = PartitionSpec(*(tuple(tok) + (None,)))
   b_spec = PartitionSpec(axis_name)
   ret_ent = kwargs.get("return_entropy", False)
@@ -382,4 +468,5 @@ def vocab_parallel_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array
 
   fn = _compat.shard_map(wrapped, mesh=mesh, in_specs=tuple(specs[i] for i in live),
                          out_specs=out_specs, check_vma=False)
-  return fn(*(args[i] for i in live))
+  placed = [_placed(jnp.asarray(args[i]), mesh, specs[i]) for i in live]
+  return fn(*placed)

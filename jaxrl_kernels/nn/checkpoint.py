@@ -7,8 +7,9 @@ Loading checks names, shapes and dtypes and lists every mismatch in one error.
   size, a JSON header of ``{name: {dtype, shape, data_offsets}}``, then the raw
   little-endian bytes), read and written here with numpy, so no extra package
   is needed. bf16 is ``BF16``.
-* any other path: an orbax checkpoint folder (``orbax-checkpoint`` must be
-  installed), holding the same flat ``{name: array}`` dict.
+* any other path: an orbax checkpoint folder holding the same flat
+  ``{name: array}`` dict. ``orbax-checkpoint`` is imported only then (``pip install
+  'jaxrl_kernels[orbax]'``); without it such a path raises an ImportError saying so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
            "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+ORBAX_HINT = ("pip install 'jaxrl_kernels[orbax]' (or use a *.safetensors path, which needs "
+              "no extra package)")
+
+
+def _orbax(op: str, path: str):
+  """``orbax.checkpoint``, imported on first use: only orbax folders need it."""
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError as e:
+    raise ImportError(f"{op}: {path} is an orbax checkpoint folder (not *.safetensors), which "
+                      f"needs the orbax-checkpoint package: {ORBAX_HINT}") from e
+  return ocp
 
 
 def _flat_params(model: nnx.Module) -> dict[str, jax.Array]:
@@ -89,8 +104,7 @@ def save_params(model: nnx.Module, path: str | os.PathLike) -> None:
   if path.endswith(".safetensors"):
     save_safetensors(flat, path)
     return
-  import orbax.checkpoint as ocp
-  ocp.PyTreeCheckpointer().save(os.path.abspath(path), flat)
+  _orbax("save_params", path).PyTreeCheckpointer().save(os.path.abspath(path), flat)
 
 
 def load_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
@@ -106,8 +120,7 @@ def load_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
   if path.endswith(".safetensors"):
     loaded = load_safetensors(path)
   else:
-    import orbax.checkpoint as ocp
-    loaded = ocp.PyTreeCheckpointer().restore(os.path.abspath(path))
+    loaded = _orbax("load_params", path).PyTreeCheckpointer().restore(os.path.abspath(path))
   want = _flat_params(model)
   problems = []
   missing = sorted(set(want) - set(loaded))

@@ -36,9 +36,10 @@ class DetLinear(nnx.Module):
                  if use_bias else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    dtype = self.dtype or jnp.result_type(x.dtype, self.kernel.value.dtype)
-    kernel = self.kernel.value.astype(dtype)
-    y = det_matmul(x.astype(dtype), kernel, implementation=self.implementation)
+    """``x [..., in] -> [..., out]`` in ``dtype`` (default: the promoted x/kernel dtype)."""
+    kernel = self.kernel[...]
+    dtype = self.dtype or jnp.result_type(x.dtype, kernel.dtype)
+    y = det_matmul(x.astype(dtype), kernel.astype(dtype), implementation=self.implementation)
     if self.bias is not None:
-      y = y + self.bias.value.astype(dtype)
+      y = y + self.bias[...].astype(dtype)
     return y

@@ -1,4 +1,4 @@
-"""A KV-cache sampler for :class:`~jaxrl_kernels.nn.TinyCausalLM` and the trainer-side scorer.
+"""A KV-cache sampler for any causal LM with the cache protocol, and the trainer-side scorer.
 
 ``sample`` decodes one token per row per step on the KV cache at the rollout
 batch size and reports, for every sampled token, the log-prob the model's
@@ -8,11 +8,16 @@ finished sequences, at another batch size, in chunks, optionally packed
 several sequences per row, optionally with the head vocab-parallel over a
 mesh. With the batch-invariant kernels (``implementation=None``) the two
 agree bit for bit; ``jaxrl-kernels parity`` prints how far they are apart.
+
+Both work on any model with the :class:`CausalLM` protocol:
+:class:`~jaxrl_kernels.nn.TinyCausalLM` and
+:class:`~jaxrl_kernels.models.DecoderLM` (Llama / Qwen2 / Qwen3).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +26,36 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl_kernels.nn.lm_head import logp_from_stats
-from jaxrl_kernels.nn.tiny_lm import TinyCausalLM
+from jaxrl_kernels.nn.lm_head import LMHead, logp_from_stats
+from jaxrl_kernels.nn.tiny_lm import KVCache
+
+
+class CausalLM(Protocol):
+  """What :func:`sample` and :func:`score` need from a model.
+
+  Attributes / methods:
+    config: has ``vocab_size``.
+    head: the :class:`~jaxrl_kernels.nn.LMHead` reading the final hidden states.
+    __call__(tokens, positions=None, segment_ids=None, *, max_docs=None): hidden ``[B, T, H]``.
+    logp(tokens, targets, mask=None, *, positions, segment_ids, max_docs, temperature):
+      float32 ``[B, T]`` log-probs through ``head``.
+    init_cache(batch, max_len) -> KVCache; prefill(tokens, lengths, cache) ->
+      (hidden ``[B, H]``, cache); decode_step(token, cache) -> (hidden ``[B, H]``, cache),
+      with decode == prefill bitwise.
+  """
+
+  head: LMHead
+
+  def __call__(self, tokens, positions=None, segment_ids=None, *, max_docs=None): ...
+
+  def logp(self, tokens, targets, mask=None, *, positions=None, segment_ids=None,
+           max_docs=None, temperature=1.0, return_entropy=False): ...
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache: ...
+
+  def prefill(self, tokens, lengths, cache: KVCache): ...
+
+  def decode_step(self, token, cache: KVCache): ...
 
 
 class SampleResult(NamedTuple):
@@ -35,7 +68,8 @@ class SampleResult(NamedTuple):
     completion_mask: ``[B, P + N]`` bool, True on sampled tokens.
     logp: ``[B, P + N]`` float32, the sampler's log-prob of each sampled token
       at ``temperature`` (the head's ``linear_logp`` of the hidden state that
-      produced it), 0 elsewhere.
+      produced it, over the whole vocabulary: top-k / top-p change which token
+      is drawn, not this value), 0 elsewhere.
   """
 
   tokens: jax.Array
@@ -44,8 +78,43 @@ class SampleResult(NamedTuple):
   logp: jax.Array
 
 
-def _generate(model: TinyCausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
-              temperature: float, eos_id: int | None):
+def fixed_order_cumsum(x: jax.Array) -> jax.Array:
+  """``[..., n]`` -> ``[..., n]`` inclusive prefix sums over the last axis, as a written-out
+  scan tree (``lax.associative_scan``: slices and elementwise adds, one order for
+  every shape; ``jnp.cumsum`` leaves the order to XLA)."""
+  return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
+def draw(key: jax.Array, logits: jax.Array, *, top_k: int | None = None,
+         top_p: float | None = None) -> jax.Array:
+  """One int32 token id per row of ``logits [B, V]`` (already divided by the temperature).
+
+  No truncation: ``categorical(key, logits)``. ``top_k``: the ``k`` largest logits
+  (``lax.top_k``, ties to the lower id). ``top_p``: of those (or of all, sorted by
+  descending logit, ties to the lower id), the shortest prefix whose probability
+  mass (renormalised over the candidates, fixed-order sums) reaches ``top_p``;
+  the first candidate is always kept. Then ``categorical`` over the kept ones.
+  """
+  if top_k is None and top_p is None:
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+  if top_k is not None:
+    vals, ids = lax.top_k(logits, top_k)
+  else:
+    iota = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    neg, ids = lax.sort((-logits, iota), dimension=logits.ndim - 1, num_keys=2)
+    vals = -neg
+  if top_p is not None:
+    e = jnp.exp(vals - vals[..., :1])
+    cum = fixed_order_cumsum(e)
+    keep = (cum - e) < jnp.float32(top_p) * cum[..., -1:]
+    vals = jnp.where(keep, vals, -jnp.inf)
+  choice = jax.random.categorical(key, vals)
+  return jnp.take_along_axis(ids, choice[..., None], axis=-1)[..., 0].astype(jnp.int32)
+
+
+def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
+              temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
+              top_p: float | None):
   b, p = prompts.shape
   n = max_new_tokens
   total = p + n
@@ -55,6 +124,7 @@ def _generate(model: TinyCausalLM, prompts, prompt_lengths, key, *, max_new_toke
   tokens = jnp.where(cols < prompt_lengths[:, None], jnp.pad(prompts, ((0, 0), (0, n))), 0)
   state = (tokens, jnp.zeros((b, total), bool), jnp.zeros((b, total), jnp.float32),
            jnp.zeros((b,), bool))
+  stops = jnp.asarray(stop_ids, jnp.int32)
 
   def emit(h, state, i):
     """Samples token ``i`` of every row from ``h`` and records it."""
@@ -63,52 +133,70 @@ def _generate(model: TinyCausalLM, prompts, prompt_lengths, key, *, max_new_toke
     # reduced by the fused op's own per-tile code, so the reported log-prob is the
     # trainer's ``model.head(h, tok)`` bit for bit (stock path: a plain log-softmax).
     logits, stats = model.head.logits(h, temperature=temperature, return_stats=True)
-    tok = jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+    tok = draw(jax.random.fold_in(key, i), logits, top_k=top_k, top_p=top_p)
     lp = logp_from_stats(logits, stats, tok)
     live = ~done
     at = prompt_lengths + i
     tokens = tokens.at[rows, at].set(jnp.where(live, tok, 0))
     mask = mask.at[rows, at].set(live)
     logp = logp.at[rows, at].set(jnp.where(live, lp, 0.0))
-    if eos_id is not None:
-      done = done | (tok == eos_id)
+    if stop_ids:
+      done = done | jnp.any(tok[:, None] == stops[None, :], axis=1)
     return tok, (tokens, mask, logp, done)
 
-  def step(carry, i):
-    h, cache, state = carry
+  def cond(carry):
+    i, _, _, state = carry
+    return (i < n - 1) & ~jnp.all(state[3])
+
+  def step(carry):
+    i, h, cache, state = carry
     tok, state = emit(h, state, i)
     h, cache = model.decode_step(tok, cache)
-    return (h, cache, state), None
+    return i + 1, h, cache, state
 
-  (h, _, state), _ = lax.scan(step, (h, cache, state), jnp.arange(n - 1))
-  _, (tokens, mask, logp, _) = emit(h, state, n - 1)  # the last token needs no decode step
+  # Stops early once every row has hit a stop id (the remaining steps would record nothing).
+  i, h, _, state = lax.while_loop(cond, step, (jnp.int32(0), h, cache, state))
+  _, (tokens, mask, logp, _) = emit(h, state, i)  # the last token needs no decode step
   lengths = prompt_lengths + jnp.sum(mask, axis=1, dtype=jnp.int32)
   return SampleResult(tokens, lengths, mask, logp)
 
 
-_generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature", "eos_id"))
+_generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature",
+                                                    "stop_ids", "top_k", "top_p"))
 
 
-def sample(model: TinyCausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
+def _is_int(x) -> bool:
+  return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
-           eos_id: int | None = None) -> SampleResult:
-  """Samples ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
+           eos_id: int | None = None, stop_ids: Sequence[int] = (),
+           top_k: int | None = None, top_p: float | None = None) -> SampleResult:
+  """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
   Prefills the prompts, then per step: logits and their statistics
-  ``model.head.logits(h, T, return_stats=True)`` (one head pass),
-  ``token ~ categorical(fold_in(key, step), logits)``, its log-prob
-  ``logp_from_stats`` (bitwise ``model.head(h, token, temperature=T)`` on the
-  kernel paths), then ``model.decode_step``.
+  ``model.head.logits(h, T, return_stats=True)`` (one head pass), a token drawn
+  with ``fold_in(key, step)`` (optionally restricted to the top-k / top-p
+  candidates), its log-prob ``logp_from_stats`` (bitwise ``model.head(h,
+  token, temperature=T)`` on the kernel paths: the trainer's
+  ``model.logp``), then ``model.decode_step``. Rows that sampled a stop id
+  stop; the loop ends early when every row has.
 
   Args:
-    model: a :class:`TinyCausalLM`.
+    model: a :class:`CausalLM` (``TinyCausalLM``, ``models.DecoderLM``).
     prompts: ``[B, P]`` int, right-padded.
     prompt_lengths: ``[B]`` int in ``[1, P]``.
     max_new_tokens: static ``N >= 1``; the cache holds ``P + N`` positions.
     key: a PRNG key. The same key, model and inputs give the same tokens.
     temperature: static float > 0.
-    eos_id: optional; a row stops after sampling it (the eos is part of the
+    eos_id: optional stop id (kept for compatibility; joins ``stop_ids``).
+    stop_ids: ids after which a row stops (the stop token is part of the
       completion; later positions are 0, masked, with logp 0).
+    top_k: static int in ``[1, V]`` or None: draw among the ``k`` largest logits.
+    top_p: static float in ``(0, 1]`` or None: draw from the smallest set of top
+      candidates whose renormalised probability reaches ``top_p`` (after
+      ``top_k``). The reported ``logp`` stays the full softmax's (the trainer's).
 
   Returns:
     A :class:`SampleResult`.
@@ -118,9 +206,10 @@ def sample(model: TinyCausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *
   if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
     raise ValueError(f"sample: prompts must be [B, P] and prompt_lengths [B], got "
                      f"{prompts.shape} and {prompt_lengths.shape}")
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"sample: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  if not (isinstance(temperature, int | float) and np.isfinite(temperature) and temperature > 0):
+  if (isinstance(temperature, bool) or not isinstance(temperature, int | float)
+      or not np.isfinite(temperature) or temperature <= 0):
     raise ValueError(f"sample: temperature must be a finite float > 0, got {temperature!r}")
   if not isinstance(prompt_lengths, jax.core.Tracer):
     pl = np.asarray(prompt_lengths)
@@ -128,10 +217,22 @@ def sample(model: TinyCausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *
       raise ValueError(f"sample: prompt_lengths must lie in [1, {prompts.shape[1]}], got "
                        f"{pl.tolist()}")
   v = model.config.vocab_size
-  if eos_id is not None and not 0 <= eos_id < v:
-    raise ValueError(f"sample: eos_id must lie in [0, {v}), got {eos_id}")
-  return _generate_jit(model, prompts, prompt_lengths, key, max_new_tokens=max_new_tokens,
-                       temperature=float(temperature), eos_id=eos_id)
+  ids = ([] if eos_id is None else [eos_id]) + list(stop_ids)
+  for s in ids:
+    if not _is_int(s) or not 0 <= s < v:
+      name = "eos_id" if eos_id is not None and s is eos_id else "stop_ids"
+      raise ValueError(f"sample: {name} must hold ints in [0, {v}), got {s!r}")
+  if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= v):
+    raise ValueError(f"sample: top_k must be None or an int in [1, {v}], got {top_k!r}")
+  if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float)
+                            or not 0 < top_p <= 1):
+    raise ValueError(f"sample: top_p must be None or a float in (0, 1], got {top_p!r}")
+  return _generate_jit(model, prompts, prompt_lengths, key, max_new_tokens=int(max_new_tokens),
+                       temperature=float(temperature),
+                       stop_ids=tuple(sorted({int(s) for s in ids})),
+                       top_k=None if top_k is None else int(top_k),
+                       # top_p = 1 keeps every token: no truncation (as in transformers).
+                       top_p=None if top_p is None or top_p == 1 else float(top_p))
 
 
 # --------------------------------------------------------------------------------- scoring
@@ -153,22 +254,22 @@ def _stock_tp_logp(h, w, targets, mask, *, axis_name, vocab_size, temperature):
   return jnp.where(mask, tz - lse, 0.0)
 
 
-def _tp_head(model: TinyCausalLM, h, targets, mask, mesh: Mesh, temperature: float):
+def _tp_head(model: CausalLM, h, targets, mask, mesh: Mesh, temperature: float):
   """The head's log-probs with the vocabulary split over ``mesh``'s (only) axis."""
   from jaxrl_kernels import _compat
   from jaxrl_kernels.linear_logp import pad_vocab, vocab_parallel_logp
 
   head = model.head
   if head.weight_layout != "vh" or head.bias is not None:
-    raise ValueError("score: tp_mesh supports the tied, bias-free head of TinyCausalLM")
+    raise ValueError("score: tp_mesh supports a tied, bias-free head (weight_layout='vh')")
   (axis,) = mesh.axis_names
   tp = mesh.shape[axis]
   v = model.config.vocab_size
-  w = pad_vocab(head._weight(), tp, weight_layout="vh")
+  w = pad_vocab(head.weight(), tp, weight_layout="vh")
   lead = targets.shape
-  h2 = head._hidden(h).reshape(-1, h.shape[-1])
+  h2 = head.hidden(h).reshape(-1, h.shape[-1])
   t2, m2 = targets.reshape(-1), mask.reshape(-1)
-  if model.config.implementation == "xla":
+  if head.implementation == "xla":
     fn = _compat.shard_map(
         lambda a, b, c, d: _stock_tp_logp(a, b, c, d, axis_name=axis, vocab_size=v,
                                           temperature=temperature),
@@ -183,7 +284,7 @@ def _tp_head(model: TinyCausalLM, h, targets, mask, mesh: Mesh, temperature: flo
   return out.reshape(lead)
 
 
-def _rows_logp(model: TinyCausalLM, tokens, targets, mask, positions, segment_ids, *,
+def _rows_logp(model: CausalLM, tokens, targets, mask, positions, segment_ids, *,
                temperature: float, max_docs: int | None, tp_mesh: Mesh | None):
   if tp_mesh is None:
     return model.logp(tokens, targets, mask, positions=positions, segment_ids=segment_ids,
@@ -213,7 +314,7 @@ def _pack(lengths: np.ndarray, width: int) -> tuple[list[list[int]], np.ndarray,
   return rows, where_row, where_col
 
 
-def score(model: TinyCausalLM, tokens, completion_mask, *, temperature: float = 1.0,
+def score(model: CausalLM, tokens, completion_mask, *, temperature: float = 1.0,
           batch_size: int | None = None, pack: bool = False,
           tp_mesh: Mesh | None = None) -> np.ndarray:
   """The trainer's float32 log-probs of the completion tokens, from the full-sequence forward.
@@ -225,7 +326,7 @@ def score(model: TinyCausalLM, tokens, completion_mask, *, temperature: float = 
   completion is not scored).
 
   Args:
-    model: a :class:`TinyCausalLM`.
+    model: a :class:`CausalLM`.
     tokens: ``[B, T]`` int (e.g. ``SampleResult.tokens``).
     completion_mask: ``[B, T]`` bool, False in column 0.
     temperature: static float > 0.

@@ -120,7 +120,7 @@ class RMSNorm(nnx.Module):
       ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     else:
       ms = (_fold_add(x32 * x32, axis=-1) / jnp.float32(x.shape[-1]))[..., None]
-    y = x32 * lax.rsqrt(ms + jnp.float32(self.eps)) * self.scale.value.astype(jnp.float32)
+    y = x32 * lax.rsqrt(ms + jnp.float32(self.eps)) * self.scale[...].astype(jnp.float32)
     return y.astype(x.dtype)
 
 
@@ -151,7 +151,7 @@ def _fold_add(x: jax.Array, axis: int) -> jax.Array:
   return _fold(jnp.add, x, axis)
 
 
-class _Documents(NamedTuple):
+class Documents(NamedTuple):
   """Where each document of a ``[B, T]`` layout lives, for the aligned attention.
 
   A document is a maximal run of tokens of one row with position >= 0, one
@@ -188,7 +188,10 @@ class _Documents(NamedTuple):
     return jnp.where(self.bad.reshape(shape), jnp.full((), jnp.nan, y.dtype), out)
 
 
-def _documents(positions: jax.Array, segment_ids: jax.Array, max_docs: int) -> _Documents:
+def documents(positions: jax.Array, segment_ids: jax.Array, max_docs: int, *,
+              op: str = "TinyCausalLM") -> Documents:
+  """The :class:`Documents` of a ``[B, T]`` layout (``positions``, ``segment_ids``) for
+  attention on ``[max_docs, T]`` left-aligned rows; ``op`` names the caller in errors."""
   b, t = positions.shape
   pos = positions.astype(jnp.int32)
   active = pos >= 0
@@ -208,15 +211,15 @@ def _documents(positions: jax.Array, segment_ids: jax.Array, max_docs: int) -> _
   if not any(isinstance(a, jax.core.Tracer) for a in (positions, segment_ids)):
     n = int(np.sum(np.asarray(start)))
     if n > max_docs:
-      raise ValueError(f"TinyCausalLM: the layout holds {n} documents but max_docs={max_docs}; "
+      raise ValueError(f"{op}: the layout holds {n} documents but max_docs={max_docs}; "
                        f"pass max_docs >= {n}")
     bad_start = np.argwhere(np.asarray(start) & (np.asarray(pos) != 0))
     if bad_start.size:
       r, c = (int(i) for i in bad_start[0])
-      raise ValueError(f"TinyCausalLM: a document must start at position 0, but the one at "
+      raise ValueError(f"{op}: a document must start at position 0, but the one at "
                        f"row {r}, column {c} starts at position {int(pos[r, c])}")
-  return _Documents(row=first // t, col0=first % t, length=length, doc=doc,
-                    slot=jnp.clip(pos, 0, t - 1), live=live, bad=active & ~live)
+  return Documents(row=first // t, col0=first % t, length=length, doc=doc,
+                   slot=jnp.clip(pos, 0, t - 1), live=live, bad=active & ~live)
 
 
 class KVCache(NamedTuple):
@@ -263,7 +266,7 @@ class Block(nnx.Module):
     x = x + self.out(attn.reshape(b, t, self.cfg.hidden))
     return x + self.down(jax.nn.silu(self.up(self.mlp_norm(x))))
 
-  def __call__(self, x, positions, docs: _Documents | None):
+  def __call__(self, x, positions, docs: Documents | None):
     """Full-sequence forward; returns the new ``x`` and this layer's ``k, v``."""
     q, k, v = self._qkv(x, positions)
     if docs is None:  # every row is one document starting at column 0: already aligned
@@ -364,7 +367,7 @@ class TinyCausalLM(nnx.Module):
       max_docs = b if max_docs is None else max_docs
       if not isinstance(max_docs, int) or max_docs < 1:
         raise ValueError(f"TinyCausalLM: max_docs must be a static int >= 1, got {max_docs!r}")
-      docs = _documents(jnp.asarray(positions), jnp.asarray(segment_ids), max_docs)
+      docs = documents(jnp.asarray(positions), jnp.asarray(segment_ids), max_docs)
     x = self.embed(tokens)
     for block in self.blocks:
       x, _, _ = block(x, positions, docs)

@@ -55,7 +55,6 @@ on sm_90; the module imports on the CPU.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +62,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# Part of the numerical contract: query rows per compute warpgroup (the wgmma
-# M), and the key tile walked in ascending order from key 0. A decode step
-# pads its one query to CTA_ROWS rows so that it runs a prefill block's code.
-BLOCK_Q = 64
-KEY_TILE = 128
+from jaxrl_kernels import contract
+from jaxrl_kernels.pallas._common import LOG2E, cdiv, round_up
+
+# The contract's constants: query rows per compute warpgroup (the wgmma M),
+# and the key tile walked in ascending order from key 0. A decode step pads
+# its one query to CTA_ROWS rows so that it runs a prefill block's code.
+BLOCK_Q = contract.ATTENTION_MOSAIC_BLOCK_Q
+KEY_TILE = contract.ATTENTION_MOSAIC_KEY_TILE
 NUM_COMPUTE_WGS = 2
 CTA_ROWS = NUM_COMPUTE_WGS * BLOCK_Q
 # Free knob (does not change any bits): depth of the K/V shared-memory ring.
@@ -75,7 +77,6 @@ STAGES = 2
 
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
-LOG2E = math.log2(math.e)
 
 
 def supported(d: int, dtype) -> str | None:
@@ -242,7 +243,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
   why = supported(d, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic): {why}; use implementation='triton'")
-  n_qblocks = pl.cdiv(tq, CTA_ROWS)
+  n_qblocks = cdiv(tq, CTA_ROWS)
   tq_pad = n_qblocks * CTA_ROWS
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
@@ -250,7 +251,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
     # Padding queries (position -1) fill the CTA: a decode step runs a full block.
     q = jnp.pad(q, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
     last = jnp.pad(last, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
-  s_pad = max(KEY_TILE, -(-s_len // 8) * 8)
+  s_pad = max(KEY_TILE, round_up(s_len, 8))
   if s_pad != s_len:
     # Mosaic's TMA tiling needs S a multiple of 8 rows and at least one whole
     # box of keys. By the static S only; the zero rows are past kv_len.

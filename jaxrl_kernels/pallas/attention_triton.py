@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +45,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Part of the numerical contract (with the head-dim padding and FWD_NUM_WARPS /
-# FWD_NUM_STAGES below): queries per forward program, and the key tile walked
-# in ascending order from key 0. Decode pads its single query up to BLOCK_Q
-# rows so that it runs the very instructions of a prefill block.
-BLOCK_Q = 64
-KEY_TILE = 64
-FWD_NUM_WARPS = 4
-FWD_NUM_STAGES = 2
+from jaxrl_kernels import contract
+from jaxrl_kernels.pallas._common import LOG2E, cdiv, dot_precision, triton_compiler_params
+
+# The contract's forward constants (with the head-dim padding): queries per
+# program, the key tile walked in ascending order from key 0, and the compiler
+# parameters of that instruction sequence. Decode pads its single query up to
+# BLOCK_Q rows so that it runs the very instructions of a prefill block.
+BLOCK_Q = contract.ATTENTION_TRITON_BLOCK_Q
+KEY_TILE = contract.ATTENTION_TRITON_KEY_TILE
+FWD_NUM_WARPS = contract.ATTENTION_TRITON_FWD_NUM_WARPS
+FWD_NUM_STAGES = contract.ATTENTION_TRITON_FWD_NUM_STAGES
 
 MAX_HEAD_DIM = 256
-LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +82,6 @@ class BackwardConfig:
 def padded_head_dim(d: int) -> int:
   """Triton tiles are powers of two: D is padded (masked loads) to the next one."""
   return max(16, pl.next_power_of_2(d))
-
-
-def dot_precision(dtype, interpret: bool):
-  """fp32 products get fp32 accuracy (IEEE on CPU, 3xTF32 on GPU); never TF32."""
-  if jnp.dtype(dtype) != jnp.float32:
-    return None
-  return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-
-
-def _compiler_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
-  if interpret:
-    return {}
-  return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
 def _dot(a, b, precision, *, trans_a=False, trans_b=False):
@@ -195,12 +183,12 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, interpret: bool):
                              scale2=scale * LOG2E, precision=dot_precision(q.dtype, interpret))
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(tq, BLOCK_Q), bsz * hq),
+      grid=(cdiv(tq, BLOCK_Q), bsz * hq),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((bsz, hq, tq), jnp.float32)),
       interpret=interpret,
       name="causal_attention_fwd",
-      **_compiler_params(FWD_NUM_WARPS, FWD_NUM_STAGES, interpret),
+      **triton_compiler_params(FWD_NUM_WARPS, FWD_NUM_STAGES, interpret),
   )(q, k, v, q_positions, kv_lengths)
 
 
@@ -221,10 +209,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref
   d_ok = lax.broadcasted_iota(jnp.int32, (dp,), 0) < d
   kv_len = jnp.minimum(kvl_ref[b], s_len)
   last, row_ok = _last_visible(pos_ref, b, row0, block_q, kv_len, tq=tq)
-  q = _load_rows(q_ref, b, row0, block_q, h, row_ok, d_ok, dp)
-  do = _load_rows(do_ref, b, row0, block_q, h, row_ok, d_ok, dp)
-  lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
-  delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
+  # A row that sees no key (padding) loads as zeros: its q, dO and delta may
+  # hold NaN, and 0 * NaN in the products below would reach other rows' dK/dV.
+  sees = row_ok & (last >= 0)
+  q = _load_rows(q_ref, b, row0, block_q, h, sees, d_ok, dp)
+  do = _load_rows(do_ref, b, row0, block_q, h, sees, d_ok, dp)
+  lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=sees, other=0)
+  delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=sees, other=0)
   block_last = jnp.max(last)
 
   def body(t, dq):
@@ -255,7 +246,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
   key_ok = _kv_tile_mask(key0, block_k, kv_len)
   k = _load_rows(k_ref, b, key0, block_k, hk, key_ok, d_ok, dp)
   v = _load_rows(v_ref, b, key0, block_k, hk, key_ok, d_ok, dp)
-  n_qb = pl.cdiv(tq, block_q)
+  n_qb = cdiv(tq, block_q)
 
   def q_block(i, carry):
     # lax.div/rem, not // and %: jnp's floor-mod inside a loop body failed the
@@ -264,13 +255,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
     h = hk * group + g
     row0 = qb * block_q
     last, row_ok = _last_visible(pos_ref, b, row0, block_q, kv_len, tq=tq)
+    sees = row_ok & (last >= 0)  # padding rows load as zeros (see _dq_kernel)
 
     def update(carry):
       dk, dv = carry
-      q = _load_rows(q_ref, b, row0, block_q, h, row_ok, d_ok, dp)
-      do = _load_rows(do_ref, b, row0, block_q, h, row_ok, d_ok, dp)
-      lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
-      delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=row_ok, other=0)
+      q = _load_rows(q_ref, b, row0, block_q, h, sees, d_ok, dp)
+      do = _load_rows(do_ref, b, row0, block_q, h, sees, d_ok, dp)
+      lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=sees, other=0)
+      delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=sees, other=0)
       p = _probs(q, k, last, lse, key0, block_k, scale2=scale * LOG2E, precision=precision)
       dv = dv + _dot(p.astype(do.dtype), do, precision, trans_a=True)
       ds = p * (_dot(do, v, precision, trans_b=True) - delta[:, None])
@@ -306,11 +298,11 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   common = dict(tq=tq, s_len=s_len, d=d, group=group, scale=scale,
                 precision=dot_precision(q.dtype, interpret))
   args = (q, k, v, q_positions, kv_lengths, d_out, lse, delta)
-  params = _compiler_params(cfg.num_warps, cfg.num_stages, interpret)
+  params = triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, hq=hq, block_q=cfg.dq_block_q, block_k=cfg.dq_block_k,
                         **common),
-      grid=(pl.cdiv(tq, cfg.dq_block_q), bsz * hq),
+      grid=(cdiv(tq, cfg.dq_block_q), bsz * hq),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       interpret=interpret,
       name="causal_attention_dq",
@@ -319,7 +311,7 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, hkv=hkv, block_q=cfg.dkv_block_q, block_k=cfg.dkv_block_k,
                         **common),
-      grid=(pl.cdiv(s_len, cfg.dkv_block_k), bsz * hkv),
+      grid=(cdiv(s_len, cfg.dkv_block_k), bsz * hkv),
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
       interpret=interpret,
       name="causal_attention_dkv",

@@ -24,10 +24,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# Part of the numerical contract: a 64-element K tile (128 bytes of bf16/fp16,
-# one 128B swizzle row). Each wgmma step consumes it as 4 k16 instructions in
-# ascending order. Never derived from the shape.
-TILE_K = 64
+from jaxrl_kernels.contract import GEMM_TILE_K
+from jaxrl_kernels.pallas._common import (
+  HOPPER_SMEM_BYTES,
+  cdiv,
+  mosaic_warpgroup_params,
+  num_sms,
+  round_up,
+  smem_transforms,
+)
+
+# The contract's K tile (128 bytes of bf16/fp16, one 128B swizzle row). Each
+# wgmma step consumes it as 4 k16 instructions in ascending order. Never
+# derived from the shape.
+TILE_K = GEMM_TILE_K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,25 +108,21 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
   out_dtype = out_gmem.dtype
   itemsize = jnp.dtype(dtype).itemsize
 
-  def smem_transforms(minor_elems: int):
-    swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
   cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
-  m_iters, n_iters, k_iters = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), pl.cdiv(k, TILE_K)
+  m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, TILE_K)
 
   if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
     a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
-                             transforms=smem_transforms(cta_m))
+                             transforms=smem_transforms(cta_m, itemsize))
   else:  # [M, K]: smem tile [cta_m, TILE_K]
     a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
-                             transforms=smem_transforms(TILE_K))
+                             transforms=smem_transforms(TILE_K, itemsize))
   if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
     b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
-                             transforms=smem_transforms(TILE_K))
+                             transforms=smem_transforms(TILE_K, itemsize))
   else:  # [K, N]: smem tile [TILE_K, cta_n]
     b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
-                             transforms=smem_transforms(cta_n))
+                             transforms=smem_transforms(cta_n, itemsize))
 
   epi_m, epi_n = min(cfg.epi_tile_m, cfg.tile_m), min(cfg.epi_tile_n, cfg.tile_n)
   num_out_slots = min(2, (cfg.tile_m * cfg.tile_n) // (epi_m * epi_n))
@@ -243,8 +249,8 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-# Shared memory per CTA on Hopper (227 KiB), less a margin for barriers.
-_SMEM_BYTES = 232448 - 1024
+# Shared memory per CTA, less a margin for barriers.
+_SMEM_BYTES = HOPPER_SMEM_BYTES - 1024
 
 
 def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int) -> MosaicConfig:
@@ -269,7 +275,6 @@ def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed
   ``matmul`` itself. Callers route other shapes to the Triton kernel by N and
   K only (fixed for a given weight), never by M.
   """
-  del rhs_transposed
   if k < TILE_K or k % TILE_K:
     return f"K={k} is not a positive multiple of {TILE_K}"
   if n < cfg.cta_tile_n or n % 64:
@@ -308,7 +313,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
     # The reduction runs over lhs rows (tokens); the K tile applies to them.
     k_red = k
     if k_red % TILE_K:
-      k_pad = -(-k_red // TILE_K) * TILE_K
+      k_pad = round_up(k_red, TILE_K)
       lhs = jnp.pad(lhs, ((0, k_pad - k_red), (0, 0)))
       rhs = jnp.pad(rhs, ((0, k_pad - k_red), (0, 0)) if not rhs_transposed else
                     ((0, 0), (0, k_pad - k_red)))
@@ -325,13 +330,13 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                      f"got {acc.dtype} {acc.shape} and out_dtype {jnp.dtype(out_dtype)}")
   m_run = m
   if not lhs_transposed:
-    m_run = max(cfg.cta_tile_m, -(-m // 8) * 8)
+    m_run = max(cfg.cta_tile_m, round_up(m, 8))
     if m_run != m:
       lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0)))
       if acc is not None:
         acc = jnp.pad(acc, ((0, m_run - m), (0, 0)))
       row_operands = tuple(jnp.pad(r, (0, m_run - m)) for r in row_operands)
-  num_sms = jax.devices()[0].core_count
+  grid_size = num_sms()
   for r in row_operands:
     if r.shape != (m_run,):
       raise ValueError(f"det_matmul(mosaic): row operands must be [{m}], got {r.shape}")
@@ -343,11 +348,11 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                              n_row_ops=len(row_operands), n_col_ops=len(col_operands),
                              epilogue=epilogue)
   vec = (*row_operands, *col_operands)
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  params = mosaic_warpgroup_params()
   if acc is not None and hasattr(jax, "new_ref"):
     # In place through a mutable ref (jax >= 0.11): the kernel's output aliases
     # ``acc``, so a running sum in a loop needs one [M, N] buffer, not two.
-    mesh = plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
+    mesh = plgpu.Mesh(grid=(grid_size,), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
                       thread_name="wg")
     acc_ref = jax.new_ref(acc)
     pl.kernel(functools.partial(kernel, in_place=True), out_type=(), mesh=mesh,
@@ -357,7 +362,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   f = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
-      grid=(num_sms,),
+      grid=(grid_size,),
       grid_names=("sm",),
       num_threads=cfg.num_compute_wgs + 1,
       thread_name="wg",

@@ -18,9 +18,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Part of the numerical contract: the K tile fixes each output element's
-# reduction order. It depends only on the input dtype, never on the shape.
-CONTRACT_BLOCK_K = {"bfloat16": 64, "float16": 64, "float32": 32}
+from jaxrl_kernels.contract import GEMM_TRITON_BLOCK_K
+from jaxrl_kernels.pallas._common import cdiv, dot_precision, triton_compiler_params
+
+# The K tile fixes each output element's reduction order (contract.py); it
+# depends only on the input dtype, never on the shape.
+CONTRACT_BLOCK_K = GEMM_TRITON_BLOCK_K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +49,6 @@ def default_config(dtype) -> TritonConfig:
                         num_stages=3)
   return TritonConfig(block_m=64, block_n=128, block_k=CONTRACT_BLOCK_K[name], num_warps=4,
                       num_stages=4)
-
-
-def _dot_precision(dtype, interpret: bool):
-  if jnp.dtype(dtype) != jnp.float32:
-    return None
-  # fp32 inputs get fp32 accuracy: IEEE on the CPU interpreter, 3xTF32 (error
-  # compensated, three tensor-core passes) under Triton. Never plain TF32.
-  if interpret:
-    return lax.Precision.HIGHEST
-  return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _kernel(lhs_ref, rhs_ref, out_ref, *, m, n, k, block_m, block_n, block_k,
@@ -91,7 +84,7 @@ def _kernel(lhs_ref, rhs_ref, out_ref, *, m, n, k, block_m, block_n, block_k,
     return acc + part
 
   # Ascending K order, fixed trip count for a given K: the contract.
-  acc = lax.fori_loop(0, pl.cdiv(k, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
+  acc = lax.fori_loop(0, cdiv(k, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
   pltriton.store(out_ref.at[pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)],
                  acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -116,16 +109,12 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   kernel = functools.partial(
       _kernel, m=m, n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed,
-      precision=_dot_precision(lhs.dtype, interpret))
-  extra = {}
-  if not interpret:
-    extra["compiler_params"] = pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                                       num_stages=cfg.num_stages)
+      precision=dot_precision(lhs.dtype, interpret))
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
+      grid=(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)),
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       interpret=interpret,
       name="det_matmul_triton",
-      **extra,
+      **triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
   )(lhs, rhs)

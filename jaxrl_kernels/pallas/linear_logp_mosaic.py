@@ -50,17 +50,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxrl_kernels.pallas.gemm_mosaic import TILE_K
-from jaxrl_kernels.pallas.linear_logp_fwd import VOCAB_TILE
+from jaxrl_kernels import contract
+from jaxrl_kernels.pallas import _common
+from jaxrl_kernels.pallas import softmax_partials as sp
 
-# Part of the contract: rows reduced at once by tile_epilogue. Mosaic splits a row
-# reduction's partial accumulators by the array's rows per thread (acc_ilp // vec_len //
-# rows), so the reduction tree of a row depends on this height; both kernels use it.
-EPI_ROWS = 64
+TILE_K = contract.GEMM_TILE_K
+VOCAB_TILE = contract.VOCAB_TILE
+# Rows reduced at once by tile_epilogue (see contract.EPI_ROWS); both kernels use it.
+EPI_ROWS = contract.EPI_ROWS
 _NUM_WGS = 2  # compute warpgroups: one vocab tile each
 _CTA_N = _NUM_WGS * VOCAB_TILE
-# Shared memory per CTA on Hopper (227 KiB), less a margin for barriers.
-_SMEM_BYTES = 232448 - 2048
+# Shared memory per CTA on Hopper, less a margin for barriers.
+_SMEM_BYTES = _common.HOPPER_SMEM_BYTES - 2048
 # Row statistics leave the kernels as [EPI_ROWS, PACK] float32 arrays in the wgmma layout
 # (a 2-D store; storing the [EPI_ROWS] row vectors to shared memory directly gave wrong
 # rows on jax 0.11.2): columns 4 c .. 4 c + 3 hold (m, s, u, tz) of the c-th 64-row chunk
@@ -93,16 +94,9 @@ def tile_epilogue(z, col_ids, tg, *, valid_vocab: int):
   are masked to -inf. The one definition shared by the fused kernel and the
   from-logits kernel: the same ops on the same register layout.
   """
-  col_ok = col_ids < valid_vocab
-  z = jnp.where(col_ok, z, -jnp.inf)
-  m = jnp.max(z, axis=1)
-  zm = z - lax.broadcast_in_dim(m, z.shape, [0])
-  e = jnp.exp(zm)  # exp(-inf) = 0 on masked columns
-  s = jnp.sum(e, axis=1)
-  u = jnp.sum(jnp.where(col_ok, e * zm, 0.0), axis=1)
+  z, m, s, u = sp.tile_stats_2d(z, col_ids < valid_vocab)
   tg = jnp.where(tg < valid_vocab, tg, -1)  # a target in a masked column has no logit here
-  hit = col_ids == lax.broadcast_in_dim(tg, z.shape, [0])
-  tz = jnp.sum(jnp.where(hit, z, 0.0), axis=1)  # one non-zero term at most: exact
+  tz = sp.target_logit(z, col_ids == lax.broadcast_in_dim(tg, z.shape, [0]))
   return m, s, u, tz
 
 
@@ -124,25 +118,13 @@ def _unpack(packed, n_tiles: int, t: int, tm: int):
   return tuple(x[q, :, :t] for q in range(4))
 
 
-def _scale(z, bias_row, temperature: float):
-  """``(z + b) / temperature``: the fused op's logit, in the Triton kernel's op order."""
-  if bias_row is not None:
-    z = z + bias_row
-  if temperature != 1.0:
-    z = z / jnp.float32(temperature)
-  return z
-
-
-def _smem_transforms(minor_elems: int, itemsize: int):
-  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logits: bool,
-            stats: bool, valid_vocab: int, n_tiles: int, temperature: float,
+def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: bool,
+            store_logits: bool, stats: bool, valid_vocab: int, n_tiles: int,
             cfg: MosaicLogpConfig):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
+  # The temperature arrives as a [VOCAB_TILE] row, fetched like the bias.
+  t_gmem = refs.pop(0) if has_temp else None
   tg_gmem = refs.pop(0) if stats else None
   z_gmem = refs.pop(0) if store_logits else None
   outs = refs  # [packed statistics] when stats
@@ -150,13 +132,13 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logi
   tm = cfg.tile_m
   m_iters, n_iters, k_iters = pl.cdiv(m, tm), pl.cdiv(n, _CTA_N), pl.cdiv(k, TILE_K)
   a_spec = plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk),
-                           transforms=_smem_transforms(TILE_K, itemsize))
+                           transforms=_common.smem_transforms(TILE_K, itemsize))
   if hv:  # W [H, V]: smem tile [TILE_K, cta_n]
     b_spec = plgpu.BlockSpec((TILE_K, _CTA_N), lambda kk: (kk, 0),
-                             transforms=_smem_transforms(_CTA_N, itemsize))
+                             transforms=_common.smem_transforms(_CTA_N, itemsize))
   else:  # W [V, H], read in place: smem tile [cta_n, TILE_K]
     b_spec = plgpu.BlockSpec((_CTA_N, TILE_K), lambda kk: (0, kk),
-                             transforms=_smem_transforms(TILE_K, itemsize))
+                             transforms=_common.smem_transforms(TILE_K, itemsize))
 
   def make_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -165,7 +147,7 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logi
         compute_context=compute_context)
 
   ignore = lambda *_, **__: None  # noqa: E731
-  n_vec = int(has_bias) + int(stats)
+  n_vec = int(has_bias) + int(has_temp) + int(stats)
   scoped = dict(allocs=make_pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem))
   if store_logits:
     scoped["z_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
@@ -174,11 +156,14 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logi
     scoped["tg_smem"] = plgpu.SMEM((_NUM_WGS, tm), jnp.int32)
   if has_bias:
     scoped["b_smem"] = plgpu.SMEM((_NUM_WGS, VOCAB_TILE), jnp.float32)
+  if has_temp:
+    scoped["t_smem"] = plgpu.SMEM((_NUM_WGS, VOCAB_TILE), jnp.float32)
   if n_vec:
     scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=n_vec, num_barriers=_NUM_WGS)
 
   @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-  def _scope(allocs, z_smem=None, out_smem=None, tg_smem=None, b_smem=None, vec_barriers=None):
+  def _scope(allocs, z_smem=None, out_smem=None, tg_smem=None, b_smem=None, t_smem=None,
+             vec_barriers=None):
     wg = lax.axis_index("wg")
     minor = 0 if cfg.grid_minor == "m" else 1
 
@@ -201,6 +186,8 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logi
           if b_smem is not None:
             plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(col0, VOCAB_TILE)], b_smem.at[wg],
                                     vec_barriers.at[wg])
+          if t_smem is not None:
+            plgpu.copy_gmem_to_smem(t_gmem, t_smem.at[wg], vec_barriers.at[wg])
           run_pipeline(acc_ref)
           acc = acc_ref[...]
           if n_vec:
@@ -210,13 +197,16 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, store_logi
           bias_row = None
           if b_smem is not None:
             bias_row = lax.broadcast_in_dim(b_smem[wg], shape, [1])
+          temp_row = None
+          if t_smem is not None:
+            temp_row = lax.broadcast_in_dim(t_smem[wg], shape, [1])
           # The previous tile's stores must have read the staging buffer.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, PACK), 1)
           packed = jnp.zeros((EPI_ROWS, PACK), jnp.float32)
           for c in range(tm // EPI_ROWS):
             rows = pl.ds(c * EPI_ROWS, EPI_ROWS)
-            z = _scale(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temperature)
+            z = sp.scale_logits(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temp_row)
             if store_logits:
               if c:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -254,7 +244,7 @@ def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
          stats: bool) -> MosaicLogpConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
   stage = (cfg.tile_m + _CTA_N) * TILE_K * itemsize
-  extra = _NUM_WGS * VOCAB_TILE * 4  # bias
+  extra = 2 * _NUM_WGS * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
     extra += _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
   if stats:
@@ -270,15 +260,6 @@ def supported(compute_dtype) -> bool:
   return jnp.dtype(compute_dtype).name in ("bfloat16", "float16")
 
 
-def _num_sms() -> int:
-  """One persistent CTA per SM (132 on an H100 SXM; a fallback for tracing on CPU)."""
-  return getattr(jax.devices()[0], "core_count", None) or 132
-
-
-def _round_up(x: int, q: int) -> int:
-  return -(-x // q) * q
-
-
 def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
   """Casts to the compute dtype and zero-pads what TMA tiling cannot take (see module doc).
 
@@ -289,9 +270,9 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
   v = weight.shape[1] if hv else weight.shape[0]
   hidden = hidden.astype(compute_dtype)
   weight = weight.astype(compute_dtype)
-  h_run = _round_up(h, TILE_K)
-  m_run = max(tm, _round_up(t, 8))
-  n_run = max(_CTA_N, _round_up(v, 64 if hv else 8))
+  h_run = _common.round_up(h, TILE_K)
+  m_run = max(tm, _common.round_up(t, 8))
+  n_run = max(_CTA_N, _common.round_up(v, 64 if hv else 8))
   if (m_run, h_run) != (t, h):
     hidden = jnp.pad(hidden, ((0, m_run - t), (0, h_run - h)))
   if (n_run, h_run) != (v, h):
@@ -303,24 +284,24 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
 
 
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, n_tiles, m_run,
-          n_run, store_logits, stats, cfg: MosaicLogpConfig, out_type, name):
+          n_run, store_logits, stats, cfg: MosaicLogpConfig, out_type):
   k = hidden.shape[1]
+  temp = sp.temperature_operand(temperature)
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
-      store_logits=store_logits, stats=stats, valid_vocab=valid_vocab, n_tiles=n_tiles,
-      temperature=float(temperature), cfg=cfg)
+      has_temp=temp is not None, store_logits=store_logits, stats=stats,
+      valid_vocab=valid_vocab, n_tiles=n_tiles, cfg=cfg)
   f = plgpu.kernel(
-      kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",),
+      kernel, out_type=out_type, grid=(_common.num_sms(),), grid_names=("sm",),
       num_threads=_NUM_WGS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  del name  # (plgpu.kernel takes no name)
-  args = (hidden, weight) + (() if bias is None else (bias,)) + extra
-  return f(*args)
+      compiler_params=_common.mosaic_warpgroup_params())
+  vecs = [x for x in (bias, None if temp is None else jnp.broadcast_to(temp, (VOCAB_TILE,)))
+          if x is not None]
+  return f(hidden, weight, *vecs, *extra)
 
 
 def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
-                  targets: jax.Array, *, layout: str, temperature: float, compute_dtype,
+                  targets: jax.Array, *, layout: str, temperature, compute_dtype,
                   vocab_offset: int = 0, valid_vocab: int | None = None,
                   config: MosaicLogpConfig | None = None):
   """:func:`linear_logp_fwd.tile_partials` (same arguments, outputs and meaning) on Hopper.
@@ -353,8 +334,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
       h2, w2, b2, (tg,), layout=layout, temperature=temperature,
       valid_vocab=v if valid_vocab is None else valid_vocab, n_tiles=n_tiles, m_run=m_run,
       n_run=n_run, store_logits=False, stats=True, cfg=cfg,
-      out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),),
-      name="linear_logp_tile_partials_mosaic")[0]
+      out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),))[0]
   m, s, u, tzp = _unpack(packed, n_tiles, t, cfg.tile_m)
   # One non-zero term per row (the owning tile's), so the sum is exact in any order.
   tz = jnp.sum(tzp, axis=0)
@@ -362,7 +342,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
 
 
 def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, layout: str,
-           temperature: float, compute_dtype, return_stats: bool = False,
+           temperature, compute_dtype, return_stats: bool = False,
            config: MosaicLogpConfig | None = None):
   """Float32 ``[T, V]`` logits ``(h W + b) / temperature``: bitwise the ``z`` that
   :func:`tile_partials` reduces (the same kernel, with a store epilogue).
@@ -382,7 +362,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
-  n_out = _round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
+  n_out = _common.round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
   out_type = [jax.ShapeDtypeStruct((m_run, n_out), jnp.float32)]
   extra = ()
   if return_stats:
@@ -393,8 +373,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
     out_type.append(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32))
   outs = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
                n_tiles=n_tiles, m_run=m_run, n_run=n_run, store_logits=True,
-               stats=return_stats, cfg=cfg, out_type=tuple(out_type),
-               name="lm_head_logits_mosaic")
+               stats=return_stats, cfg=cfg, out_type=tuple(out_type))
   z = outs[0]
   z = z[:t, :v] if (m_run, n_out) != (t, v) else z
   if not return_stats:
@@ -441,18 +420,17 @@ def partials_from_logits(logits2d: jax.Array, targets: jax.Array):
   t, v = logits2d.shape
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   # TMA: the f32 tile's smem tiling is (8, 32), so the array's dims must be multiples.
-  t_in, v_in = max(_round_up(t, 8), EPI_ROWS), max(_round_up(v, 32), VOCAB_TILE)
+  t_in, v_in = max(_common.round_up(t, 8), EPI_ROWS), max(_common.round_up(v, 32), VOCAB_TILE)
   if (t_in, v_in) != (t, v):
     logits2d = jnp.pad(logits2d, ((0, t_in - t), (0, v_in - v)))
-  t_out = max(EPI_ROWS, _round_up(t, 8))
+  t_out = max(EPI_ROWS, _common.round_up(t, 8))
   tg = jnp.pad(targets.astype(jnp.int32), (0, max(t_out, t_in) - t))
   n_blocks = pl.cdiv(t, EPI_ROWS)
   part = jax.ShapeDtypeStruct((n_tiles, n_blocks * EPI_ROWS, PACK), jnp.float32)
   f = plgpu.kernel(
       functools.partial(_from_logits_kernel, valid_vocab=v),
       out_type=(part,), grid=(n_blocks, n_tiles), grid_names=("rows", "tiles"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      compiler_params=_common.mosaic_warpgroup_params())
   (packed,) = f(logits2d, tg)
   m, s, u, tzp = _unpack(packed, n_tiles, t, EPI_ROWS)
   return m, s, u, jnp.sum(tzp, axis=0)

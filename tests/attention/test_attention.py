@@ -1,5 +1,8 @@
-"""causal_attention on CPU (interpret mode): accuracy, decode = prefill and the other
-invariances (bitwise), gradients, transformations, bad input."""
+"""causal_attention's Pallas Triton kernels on CPU (interpret mode): accuracy, decode =
+prefill against a cache holding garbage, padding (NaN never leaks into outputs or
+gradients), gradients, transformations, bad input. Batch, position, chunking, mode and
+run-to-run invariance for every implementation: tests/test_contract.py. The "cpu"
+implementation: tests/attention/test_attention_cpu.py."""
 
 from __future__ import annotations
 
@@ -7,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_reference import reference
 from helpers import TOL, assert_bitwise_equal, bits, rel_err
 
-from jaxrl_kernels.attention import BLOCK_Q, KEY_TILE, causal_attention
+from jaxrl_kernels import _backend
+from jaxrl_kernels.attention import KEY_TILE, causal_attention
+from jaxrl_kernels.attention.reference import attention_reference as reference
 
 IMPL = "interpret"
 
@@ -69,33 +73,6 @@ def test_decode_equals_prefill_bitwise(dtype):
     assert_bitwise_equal(dec[:, 0], prefill[np.arange(b), p], f"decode at {ps}")
 
 
-def test_decode_control_xla_changes_bits():
-  """The materialised baseline does not keep decode = prefill on the same inputs."""
-  b, t, hq, hkv, d = 2, 80, 4, 2, 32
-  q, k, v = inputs(1, b, t, t, hq, hkv, d, jnp.float32)
-  prefill = causal_attention(q, k, v, implementation="xla")
-  differ = 0
-  for p in (3, 40, 70, 79):
-    dec = causal_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], implementation="xla")
-    differ += int(np.sum(bits(dec) != bits(prefill[:, p:p + 1])))
-  assert differ > 0
-
-
-def test_batch_and_position_invariance_bitwise():
-  b, t, hq, hkv, d = 5, 75, 2, 1, 32
-  q, k, v = inputs(2, b, t, t, hq, hkv, d, jnp.float32)
-  # Rows of very different magnitudes share the batch.
-  row_scale = 2.0 ** jnp.array([-10.0, 0.0, 10.0, -4.0, 6.0])[:, None, None, None]
-  q, v = q * 2.0 ** jnp.array([-2.0, 0, 2, 1, -1])[:, None, None, None], v * row_scale
-  full = causal_attention(q, k, v, implementation=IMPL)
-  for r in (0, 2, 4):
-    alone = causal_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], implementation=IMPL)
-    assert_bitwise_equal(alone[0], full[r], f"row {r}")
-  perm = np.array([3, 4, 0, 1, 2])  # row 0 moved to position 2, ...
-  shuffled = causal_attention(q[perm], k[perm], v[perm], implementation=IMPL)
-  assert_bitwise_equal(shuffled, full[perm], "permuted rows")
-
-
 def test_padding_invariance_bitwise():
   """Extra keys past the sequence (kv_lengths) and extra queries (position -1,
   before and after) change nothing in the real rows."""
@@ -111,30 +88,6 @@ def test_padding_invariance_bitwise():
                          kv_lengths=np.full((b,), t, np.int32), implementation=IMPL)
   assert_bitwise_equal(out[:, 7:7 + t], base, "padded")
   assert not np.any(bits(out[:, :7])) and not np.any(bits(out[:, 7 + t:]))  # +0 exactly
-
-
-def test_chunked_prefill_bitwise():
-  b, t, hq, hkv, d = 1, 2 * BLOCK_Q + 11, 2, 1, 16
-  q, k, v = inputs(4, b, t, t, hq, hkv, d, jnp.float32)
-  full = causal_attention(q, k, v, implementation=IMPL)
-  for cuts in ([0, 30, 75, t], [0, 1, t]):
-    parts = []
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-      # Each chunk against the cache filled so far (kv_lengths = hi, garbage after).
-      kc = jnp.where(jnp.arange(t)[None, :, None, None] < hi, k, jnp.nan)
-      parts.append(causal_attention(q[:, lo:hi], kc, v, q_positions=np.arange(lo, hi)[None],
-                                    kv_lengths=np.array([hi]), implementation=IMPL))
-    assert_bitwise_equal(jnp.concatenate(parts, 1), full, f"chunks {cuts}")
-
-
-def test_mode_and_run_to_run_bitwise():
-  q, k, v = inputs(5, 2, 40, 40, 2, 1, 16, jnp.bfloat16)
-  f = jax.jit(lambda q, k, v: causal_attention(q, k, v, implementation=IMPL))
-  plain = causal_attention(q, k, v, implementation=IMPL)
-  in_grad, _ = jax.vjp(f, q, k, v)
-  assert_bitwise_equal(in_grad, plain, "under vjp")
-  for _ in range(3):
-    assert_bitwise_equal(f(q, k, v), plain, "rerun")
 
 
 @pytest.mark.parametrize("dtype,hq,hkv", [(jnp.float32, 4, 2), (jnp.bfloat16, 2, 1)])
@@ -193,7 +146,6 @@ def test_empty_and_defaults():
     ({"q_positions": np.zeros((2, 3), np.float32)}, None, TypeError, "q_positions"),
     ({"kv_lengths": np.zeros((3,), np.int32)}, None, ValueError, "kv_lengths"),
     ({"scale": float("nan")}, None, ValueError, "scale"),
-    ({"implementation": "mosaic"}, None, ValueError, "triton"),
     ({"implementation": "cuda"}, None, ValueError, "not available"),
 ])
 def test_bad_inputs(kwargs, shapes, err, match):
@@ -202,6 +154,57 @@ def test_bad_inputs(kwargs, shapes, err, match):
   kwargs = {"implementation": IMPL, **kwargs}
   with pytest.raises(err, match=match):
     causal_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU error path")
+@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+def test_gpu_implementations_are_unavailable_on_cpu(impl):
+  q = jnp.zeros((1, 2, 2, 16), jnp.bfloat16)
+  with pytest.raises(_backend.ImplementationUnavailableError,
+                     match="needs a CUDA GPU.*implementation='cpu'"):
+    causal_attention(q, q, q, implementation=impl)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
+def test_default_on_cpu_is_cpu_not_interpret():
+  """The CPU default is implementation="cpu" (tests/attention/test_attention_cpu.py);
+  the interpreter runs only when asked for."""
+  q, k, v = inputs(10, 1, 9, 9, 2, 1, 16, jnp.float32)
+  assert_bitwise_equal(causal_attention(q, k, v), causal_attention(q, k, v, implementation="cpu"),
+                       "default")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nan_in_padding_reaches_no_output_and_no_gradient(dtype):
+  """NaN and inf in padding queries (position -1: q and their cotangent), in keys and
+  values past kv_lengths, and in whole padding rows of the batch: the real rows'
+  outputs and every gradient keep the bits of clean padding (CONTRACT.md section 3)."""
+  b, t, s, hq, hkv, d = 2, 70, 100, 2, 1, 16
+  q, k, v = inputs(11, b, t, s, hq, hkv, d, dtype, spread=2)
+  n_pad = 6  # padding queries at the end of each row
+  pos = np.concatenate([np.broadcast_to(np.arange(t - n_pad), (b, t - n_pad)),
+                        -np.ones((b, n_pad))], 1).astype(np.int32)
+  kvl = np.array([t - n_pad, 50], np.int32)
+  d_out = jax.random.normal(jax.random.key(12), q.shape).astype(dtype)
+  key_pad = jnp.arange(s)[None, :, None, None] >= kvl[:, None, None, None]
+  q_pad = jnp.asarray(pos < 0)[:, :, None, None]
+
+  def run(q, k, v, d_out):
+    f = lambda q, k, v: causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl,  # noqa: E731
+                                         implementation=IMPL)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(d_out)
+
+  clean = run(jnp.where(q_pad, 0, q), jnp.where(key_pad, 0, k), jnp.where(key_pad, 0, v),
+              jnp.where(q_pad, 0, d_out))
+  dirty = run(jnp.where(q_pad, jnp.nan, q), jnp.where(key_pad, jnp.inf, k),
+              jnp.where(key_pad, jnp.nan, v), jnp.where(q_pad, jnp.nan, d_out))
+  out, grads = dirty
+  assert not np.any(bits(out[:, t - n_pad:])), "padding queries output +0"
+  assert_bitwise_equal(out, clean[0], "outputs")
+  for name, g, c in zip("qkv", grads, clean[1]):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(c, np.float32), name)
 
 
 def test_bad_dtypes():

@@ -1,4 +1,5 @@
-"""causal_attention on the GPU (Triton): the invariances at realistic shapes.
+"""causal_attention on the GPU (Triton): decode = prefill, accuracy and gradients at
+realistic shapes (batch, padding, chunking, mode: tests/test_contract.py).
 
   PYTHONPATH=$PWD python -m pytest -q tests/attention/test_attention_gpu.py
 """
@@ -9,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_reference import same_len_inputs as inputs
 from helpers import TOL, assert_bitwise_equal, bits, rel_err
+from helpers import attention_inputs as inputs
 
 from jaxrl_kernels.attention import causal_attention
 
@@ -84,28 +85,6 @@ def test_decode_control_xla_changes_bits():
     dec = causal_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], implementation="xla")
     differ += int(np.sum(bits(dec) != bits(prefill[:, p:p + 1])))
   assert differ > 0
-
-
-def test_batch_padding_chunking_bitwise():
-  q, k, v = inputs(3, 4, T, HQ, HKV, D, jnp.bfloat16)
-  full = causal_attention(q, k, v, implementation=IMPL)
-  for r in (0, 3):
-    alone = causal_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], implementation=IMPL)
-    assert_bitwise_equal(alone[0], full[r], f"row {r}")
-  # Padding: 300 extra keys (not read: kv_lengths) and 200 queries at position -1.
-  kp = jnp.pad(k, ((0, 0), (0, 300), (0, 0), (0, 0)), constant_values=7)
-  vp = jnp.pad(v, ((0, 0), (0, 300), (0, 0), (0, 0)), constant_values=jnp.nan)
-  qp = jnp.pad(q, ((0, 0), (0, 200), (0, 0), (0, 0)))
-  pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(T), (4, T)), jnp.full((4, 200), -1)], 1)
-  padded = causal_attention(qp, kp, vp, q_positions=pos, kv_lengths=jnp.full((4,), T),
-                            implementation=IMPL)
-  assert_bitwise_equal(padded[:, :T], full, "padded")
-  assert not np.any(bits(padded[:, T:]))
-  # Chunked prefill: 100 / 412 / 512 queries against the full cache.
-  parts = [causal_attention(q[:, lo:hi], k, v, q_positions=jnp.broadcast_to(
-      jnp.arange(lo, hi), (4, hi - lo)), implementation=IMPL)
-      for lo, hi in ((0, 100), (100, 512), (512, T))]
-  assert_bitwise_equal(jnp.concatenate(parts, 1), full, "chunked")
 
 
 def test_mode_run_to_run_and_gradients():

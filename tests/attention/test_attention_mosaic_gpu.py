@@ -1,5 +1,6 @@
-"""causal_attention with implementation="mosaic" (Hopper, TMA + wgmma): accuracy and the
-invariances, bitwise, at shapes that are not multiples of the tiles.
+"""causal_attention with implementation="mosaic" (Hopper, TMA + wgmma): accuracy, decode =
+prefill, padding and NaN garbage, bitwise, at shapes that are not multiples of the tiles
+(batch, chunking, mode and run to run: tests/test_contract.py).
 
   PYTHONPATH=$PWD python -m pytest -q -m gpu tests/attention/test_attention_mosaic_gpu.py
 """
@@ -10,23 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_reference import reference as reference64
-from attention_reference import same_len_inputs as inputs
 from helpers import TOL, assert_bitwise_equal, bits, rel_err
+from helpers import attention_inputs as inputs
 
-from jaxrl_kernels import _backend
 from jaxrl_kernels.attention import causal_attention
+from jaxrl_kernels.attention.reference import attention_reference as reference64
 from jaxrl_kernels.pallas import attention_mosaic
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.hopper
 IMPL = "mosaic"
 HQ, D = 4, 128
-
-
-@pytest.fixture(autouse=True)
-def _hopper_only():
-  if not _backend.is_hopper():
-    pytest.skip("the Mosaic attention kernel needs a Hopper GPU (sm_90)")
 
 
 def arange_pos(b, t):
@@ -101,18 +95,6 @@ def test_decode_equals_prefill_bitwise_4096():
     assert_bitwise_equal(dec[:, 0], prefill[:, p], f"position {p}")
 
 
-def test_batch_invariance_bitwise():
-  """A row alone equals the same row in a batch of 3 rows of different lengths."""
-  t = 520
-  q, k, v = inputs(5, 3, t, HQ, 2, D, jnp.bfloat16)
-  kvl = jnp.array([t, 199, 400], jnp.int32)
-  full = attn(q, k, v, arange_pos(3, t), kvl)
-  for r in range(3):
-    n = int(kvl[r])
-    alone = attn(q[r:r + 1, :n], k[r:r + 1, :n], v[r:r + 1, :n])
-    assert_bitwise_equal(alone[0], full[r, :n], f"row {r}")
-
-
 def test_padding_packing_and_nan_garbage_bitwise():
   t = 260
   q, k, v = inputs(6, 2, t, HQ, HQ, D, jnp.bfloat16)
@@ -142,28 +124,6 @@ def test_padding_packing_and_nan_garbage_bitwise():
   for i in (n, n + 1, t - 1):
     assert_bitwise_equal(cut[:, i], attn(q[:, i:i + 1], k[:, :n], v[:, :n],
                                          jnp.full((2, 1), n - 1, jnp.int32))[:, 0], f"row {i}")
-
-
-def test_chunked_prefill_bitwise():
-  t = 700
-  q, k, v = inputs(7, 2, t, HQ, 2, D, jnp.bfloat16)
-  full = attn(q, k, v)
-  parts = [attn(q[:, lo:hi], k, v, jnp.broadcast_to(jnp.arange(lo, hi), (2, hi - lo)))
-           for lo, hi in ((0, 1), (1, 130), (130, 300), (300, t))]
-  assert_bitwise_equal(jnp.concatenate(parts, 1), full, "chunked")
-
-
-def test_mode_and_run_to_run_bitwise():
-  q, k, v = inputs(8, 2, 384, HQ, 2, D, jnp.bfloat16)
-  f = jax.jit(lambda q, k, v: attn(q, k, v))
-  plain = f(q, k, v)
-  out, _ = jax.vjp(f, q, k, v)
-  assert_bitwise_equal(out, plain, "under vjp")
-  g_out = jax.jit(jax.value_and_grad(
-      lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-  assert np.isfinite(float(g_out(q, k, v)[0]))
-  for _ in range(20):
-    assert_bitwise_equal(f(q, k, v), plain, "rerun")
 
 
 def test_default_and_routing():

@@ -9,6 +9,7 @@ a bit comparison with the Mosaic kernel.
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 
 from jaxrl_kernels import _backend
 from jaxrl_kernels.custom_calls import build, gemm_ffi
+from jaxrl_kernels.pallas._common import num_sms
 
 LAYOUTS = [(False, False), (False, True), (True, False)]  # NN, NT, TN
 # (lhs_transposed, rhs_transposed, float32 output): TN (dB) writes the input dtype only.
@@ -30,9 +32,6 @@ LAYOUTS_OUT = [(lt, rt, f32) for lt, rt in LAYOUTS for f32 in (False, True) if n
 
 def _on_hopper() -> bool:
   return _backend.platform() == "gpu" and _backend.is_hopper()
-
-
-hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
 def _operands(key, m, n, k, dtype, lhs_t, rhs_t, *, wide=False):
@@ -48,9 +47,9 @@ def _ref64(lhs, rhs, lhs_t, rhs_t):
   return (a.T if lhs_t else a) @ (b.T if rhs_t else b)
 
 
-def _mm(lhs, rhs, lhs_t=False, rhs_t=False, out_dtype=None):
+def _mm(lhs, rhs, lhs_t=False, rhs_t=False, out_dtype=None, config=None):
   return gemm_ffi.matmul_cuda(lhs, rhs, lhs_transposed=lhs_t, rhs_transposed=rhs_t,
-                              out_dtype=out_dtype or lhs.dtype)
+                              out_dtype=out_dtype or lhs.dtype, config=config)
 
 
 # ----------------------------------------------------------------------------- CPU: build
@@ -164,10 +163,32 @@ def test_bad_arguments_name_expected_and_actual():
 
 
 @pytest.mark.skipif(_on_hopper(), reason="checks the error raised where there is no Hopper GPU")
-def test_without_hopper_gpu_is_a_runtime_error_naming_it():
+def test_without_hopper_gpu_is_an_unavailable_error_naming_it():
   a = jnp.ones((4, 8), jnp.bfloat16)
-  with pytest.raises(RuntimeError, match=r"needs a Hopper GPU \(sm_90\)"):
+  want = r"needs a CUDA GPU" if _backend.platform() != "gpu" else r"needs a Hopper GPU \(sm_90\)"
+  with pytest.raises(_backend.ImplementationUnavailableError, match=want):
     _mm(a, jnp.ones((8, 16), jnp.bfloat16))
+
+
+def test_config_checks_its_knobs():
+  assert gemm_ffi.CudaGemmConfig() == gemm_ffi.CudaGemmConfig(None, 0, "heuristic")
+  with pytest.raises(ValueError, match=r"tile must be one of .*got 'huge'"):
+    gemm_ffi.CudaGemmConfig(tile="huge")
+  with pytest.raises(ValueError, match=r"swizzle must be one of \(0, 1, 2, 4, 8\), got 3"):
+    gemm_ffi.CudaGemmConfig(swizzle=3)
+  with pytest.raises(ValueError, match=r"raster must be one of .*got 'h'"):
+    gemm_ffi.CudaGemmConfig(raster="h")
+
+
+def test_cuda_sources_read_no_environment_variable():
+  """The tile and the CTA walk reach the kernel only as FFI attributes (jit cache key)."""
+  src = pathlib.Path(gemm_ffi.__file__).parent
+  for name in (*build.SOURCES, *build.HEADERS):
+    text = (src / name).read_text()
+    assert "getenv" not in text, name
+  handler = (src / "det_gemm_sm90.cu").read_text()
+  for attr in ("tile", "swizzle", "raster"):
+    assert f'.Attr<int32_t>("{attr}")' in handler
 
 
 @pytest.mark.parametrize("lhs_t,rhs_t,out_f32", LAYOUTS_OUT)
@@ -189,8 +210,7 @@ def test_alignment_padding_never_depends_on_forward_rows(lhs_t, rhs_t, out_f32):
 # ----------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("lhs_t,rhs_t,out_f32", LAYOUTS_OUT)
 @pytest.mark.parametrize("shape", [(1000, 1032, 1000), (256, 384, 512), (3, 136, 192),
@@ -204,8 +224,7 @@ def test_accuracy_vs_float64(dtype, lhs_t, rhs_t, out_f32, shape):
   assert rel_err(out, _ref64(lhs, rhs, lhs_t, rhs_t)) <= TOL[dtype][0]
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rhs_t", [False, True])  # forward / dA = dC B^T
 @pytest.mark.parametrize("out_f32", [False, True])
@@ -224,8 +243,7 @@ def test_batch_invariance_sweep(dtype, rhs_t, out_f32):
         assert np.array_equal(bits(out[r:r + 1]), singles[r]), f"row {r} differs at M={m}"
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rhs_t", [False, True])
 def test_position_padding_chunking(dtype, rhs_t):
@@ -247,8 +265,7 @@ def test_position_padding_chunking(dtype, rhs_t):
     assert_bitwise_equal(chunks, full, f"chunks {split}/{512 - split}")
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("lhs_t,rhs_t", LAYOUTS)
 def test_run_to_run(lhs_t, rhs_t):
   lhs, rhs = _operands(jax.random.key(5), 1024, 1536, 2048, "bfloat16", lhs_t, rhs_t, wide=True)
@@ -258,8 +275,7 @@ def test_run_to_run(lhs_t, rhs_t):
     assert np.array_equal(bits(f(lhs, rhs)), first), f"run {i} differs"
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 def test_zero_padded_k_tail_changes_no_bit():
   """K=100 (padded to 104 for TMA) equals the same data zero-padded to K=128."""
   lhs, rhs = _operands(jax.random.key(6), 70, 264, 100, "bfloat16", False, False, wide=True)
@@ -268,27 +284,25 @@ def test_zero_padded_k_tail_changes_no_bit():
   assert_bitwise_equal(out, out128, "K padded with zeros inside the last K tile")
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 def test_ffi_reports_unaligned_operands_as_an_error():
   """Called directly (no Python padding), a K that is not 16-byte aligned is refused
   with CUTLASS's status in the message, not run with a bad TMA descriptor."""
-  target = gemm_ffi._register()
+  target = gemm_ffi.register()
   a = jnp.ones((16, 12), jnp.bfloat16)  # K = 12 elements = 24 bytes
   b = jnp.ones((12, 16), jnp.bfloat16)
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((16, 16), jnp.bfloat16))
   with pytest.raises(Exception, match="contiguous dimension of every operand"):
     jax.block_until_ready(call(a, b, lhs_transposed=False, rhs_transposed=False,
-                               tile=np.int32(0)))
+                               tile=np.int32(0), swizzle=np.int32(0), raster=np.int32(0)))
   # A tile id outside det_gemm_sm90.h's TileId is refused by the handler too.
   ok = jnp.ones((16, 16), jnp.bfloat16)
   with pytest.raises(Exception, match=r"tile must be 0\.\.2, got 7"):
     jax.block_until_ready(call(ok, ok, lhs_transposed=False, rhs_transposed=False,
-                               tile=np.int32(7)))
+                               tile=np.int32(7), swizzle=np.int32(0), raster=np.int32(0)))
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_det_matmul_cuda_gradients_and_mode(transpose_b):
   """Through det_matmul's custom_vjp: dA and dB vs float64; forward bits equal inside grad."""
@@ -341,8 +355,7 @@ _GRAPH_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 def test_jit_with_cuda_graphs_gives_the_eager_bits(tmp_path):
   """The same jitted program run with XLA command buffers (CUDA graphs) that include the
   custom call, in a fresh process (XLA_FLAGS are read at start-up)."""
@@ -373,8 +386,7 @@ def test_jit_with_cuda_graphs_gives_the_eager_bits(tmp_path):
     assert_bitwise_equal(out.view(jnp.bfloat16), x, f"graph replay {i}")
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_same_bits_as_mosaic(transpose_b):
   """Same K tile (64), same ascending k16 wgmma steps, fp32 accumulators, one rounding:
@@ -395,37 +407,30 @@ def test_same_bits_as_mosaic(transpose_b):
                          f"cuda vs mosaic, {dtype} -> {out_dtype or dtype}")
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("lhs_t,rhs_t", LAYOUTS)
-def test_every_tile_gives_the_same_bits(lhs_t, rhs_t, monkeypatch):
+def test_every_tile_gives_the_same_bits(lhs_t, rhs_t):
   """The three CUTLASS tiles (large 128x256 cooperative, medium 128x128 and small
   64x128 ping-pong) and every CTA walk give the same
   bits: the choice between them is free, M included."""
   a, b = _operands(jax.random.key(15), 704, 1536, 1024, "bfloat16", lhs_t, rhs_t, wide=True)
   outs = {}
-  for tile, swizzle, raster in (("large", "1", "h"), ("small", "1", "h"), ("medium", "1", "h"),
-                                ("large", "8", "m"), ("small", "2", "n"), ("medium", "2", "m"),
-                                ("medium", "8", "n")):
-    monkeypatch.setenv("JAXRL_DET_GEMM_TILE", tile)
-    monkeypatch.setenv("JAXRL_DET_GEMM_SWIZZLE", swizzle)
-    monkeypatch.setenv("JAXRL_DET_GEMM_RASTER", raster)
-    # A fresh jit each time: the handler reads the knobs when it runs (or is captured).
-    f = jax.jit(lambda a, b: _mm(a, b, lhs_t, rhs_t))
+  for tile, swizzle, raster in (("large", 1, "heuristic"), ("small", 1, "heuristic"),
+                                ("medium", 1, "heuristic"), ("large", 8, "m"), ("small", 2, "n"),
+                                ("medium", 2, "m"), ("medium", 8, "n")):
+    cfg = gemm_ffi.CudaGemmConfig(tile=tile, swizzle=swizzle, raster=raster)
+    f = jax.jit(lambda a, b, cfg=cfg: _mm(a, b, lhs_t, rhs_t, config=cfg))
     outs[(tile, swizzle, raster)] = f(a, b)
   first = next(iter(outs.values()))
   for key, o in outs.items():
-    assert_bitwise_equal(o, first, f"tile/swizzle/raster {key} vs large/1/h")
+    assert_bitwise_equal(o, first, f"tile/swizzle/raster {key} vs large/1/heuristic")
 
 
-@pytest.mark.gpu
-@hopper
-def test_rows_are_invariant_across_the_tile_rule(monkeypatch):
-  """Without any override, tile_for picks small, medium and large tiles for M = 8,
+@pytest.mark.hopper
+def test_rows_are_invariant_across_the_tile_rule():
+  """With the default config, tile_for picks small, medium and large tiles for M = 8,
   1024 and 2048 at N = 14336: rows shared by the three calls have the same bits."""
-  for var in ("TILE", "SWIZZLE", "RASTER"):
-    monkeypatch.delenv(f"JAXRL_DET_GEMM_{var}", raising=False)
-  sms = gemm_ffi._sm_count()
+  sms = num_sms()
   k, n = 256, 14336
   picked = [gemm_ffi.tile_for(m, n, sms) for m in (8, 1024, 2048)]
   if sms == 132:
@@ -439,8 +444,7 @@ def test_rows_are_invariant_across_the_tile_rule(monkeypatch):
                          f"tile) vs M=2048 ({picked[-1]} tile)")
 
 
-@pytest.mark.gpu
-@hopper
+@pytest.mark.hopper
 def test_control_xla_dot_changes_bits_with_batch():
   """Control: the inputs above do reveal reordering; cuBLAS (jnp.dot) picks other
   kernels (split-K, GEMV) by M and changes a row's bits."""

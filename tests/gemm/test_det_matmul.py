@@ -1,4 +1,8 @@
-"""det_matmul on the CPU (Pallas interpret mode): accuracy, invariance, gradients, errors."""
+"""det_matmul on the CPU: accuracy against float64, gradients, transformations, errors.
+
+The invariance contract (batch, position, padding, chunking, mode, run to run, and
+the stock path's control) is tests/test_contract.py, for every implementation.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -8,11 +12,16 @@ from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_kernels import det_matmul
+from jaxrl_kernels import _backend, det_matmul
+from jaxrl_kernels.gemm import api as gemm_api
+from jaxrl_kernels.gemm import matmul2d
+from jaxrl_kernels.gemm import mosaic as gemm_mosaic_backend
+from jaxrl_kernels.gemm.api import resolve_implementation
 from jaxrl_kernels.gemm.reference import matmul_grads_reference, matmul_reference
 
-IMPL = "interpret"
+IMPL = "interpret"  # the Pallas kernel's semantics; "cpu" joins where noted
 DTYPES = ["float32", "bfloat16", "float16"]
+CPU_IMPLS = ["cpu", "interpret"]
 
 
 def _inputs(dtype, m=70, k=150, n=90, seed=0, transpose_b=False):
@@ -22,11 +31,12 @@ def _inputs(dtype, m=70, k=150, n=90, seed=0, transpose_b=False):
   return a, b
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transpose_b", [False, True])
-def test_forward_matches_float64_reference(dtype, transpose_b):
+def test_forward_matches_float64_reference(dtype, transpose_b, impl):
   a, b = _inputs(dtype, transpose_b=transpose_b)
-  out = det_matmul(a, b, transpose_b=transpose_b, implementation=IMPL)
+  out = det_matmul(a, b, transpose_b=transpose_b, implementation=impl)
   assert out.dtype == jnp.dtype(dtype) and out.shape == (70, 90)
   ref = matmul_reference(a, b, transpose_b=transpose_b)
   assert rel_err(out, ref) <= TOL[dtype][0]
@@ -49,79 +59,13 @@ def test_leading_dims_are_flattened():
   assert_bitwise_equal(out.reshape(24, 90), det_matmul(a, b, implementation=IMPL), "3-D vs 2-D")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_batch_invariance(dtype):
-  """Row r alone equals row r inside batches of every size (CONTRACT section 1, batch)."""
-  k, n = 130, 70
-  x = wide_rows(jax.random.key(1), 260, k, dtype)
-  w = jax.random.normal(jax.random.key(2), (k, n)).astype(dtype)
-  singles = {r: det_matmul(x[r:r + 1], w, implementation=IMPL) for r in (0, 63, 64, 129)}
-  for m in (130, 200, 260):
-    full = det_matmul(x[:m], w, implementation=IMPL)
-    for r, single in singles.items():
-      if r < m:
-        assert_bitwise_equal(full[r:r + 1], single, f"{dtype} row {r} at M={m}")
-
-
-def test_position_and_padding_invariance():
-  k, n = 96, 64
-  dtype = jnp.bfloat16
-  row = wide_rows(jax.random.key(3), 1, k, dtype)
-  w = jax.random.normal(jax.random.key(4), (k, n)).astype(dtype)
-  base = det_matmul(row, w, implementation=IMPL)
-  others = wide_rows(jax.random.key(5), 200, k, dtype)
-  for pos in (0, 77, 199):
-    batch = others.at[pos].set(row[0])
-    assert_bitwise_equal(det_matmul(batch, w, implementation=IMPL)[pos], base[0], f"pos {pos}")
-  # Padding: random rows prepended and appended.
-  padded = jnp.concatenate([others[:33], row, others[33:90]])
-  assert_bitwise_equal(det_matmul(padded, w, implementation=IMPL)[33], base[0], "padded")
-
-
-def test_chunking_invariance():
-  k, n = 100, 80
-  x = wide_rows(jax.random.key(6), 256, k, jnp.float32)
-  w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32)
-  full = det_matmul(x, w, implementation=IMPL)
-  for split in ((100, 156), (1, 255), (64, 64, 128), (17, 239)):
-    parts, start = [], 0
-    for size in split:
-      parts.append(det_matmul(x[start:start + size], w, implementation=IMPL))
-      start += size
-    assert_bitwise_equal(jnp.concatenate(parts), full, f"chunks {split}")
-
-
-def test_run_to_run_and_mode_invariance():
-  a, b = _inputs("bfloat16", m=40, k=64, n=48)
-  first = bits(det_matmul(a, b, implementation=IMPL))
-  for _ in range(20):
-    assert np.array_equal(bits(det_matmul(a, b, implementation=IMPL)), first)
-  jitted = jax.jit(lambda a, b: det_matmul(a, b, implementation=IMPL))
-  assert np.array_equal(bits(jitted(a, b)), first)
-  # The forward inside a training step (under jax.vjp) gives the same bits.
-  primal, _ = jax.vjp(lambda a, b: det_matmul(a, b, implementation=IMPL), a, b)
-  assert np.array_equal(bits(primal), first)
-
-
-def test_xla_control_changes_bits_on_cpu():
-  """The non-invariant baseline does change a row's bits with the batch size here,
-  so the invariance tests above would catch a reordering."""
-  k, n = 200, 130
-  x = wide_rows(jax.random.key(8), 300, k, jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(9), (k, n)).astype(jnp.bfloat16)
-  full = det_matmul(x, w, implementation="xla")
-  changed = [r for r in range(0, 300, 7)
-             if not np.array_equal(bits(det_matmul(x[r:r + 1], w, implementation="xla")),
-                                   bits(full[r:r + 1]))]
-  assert changed, "jnp.dot gave batch-invariant rows on these inputs: the inputs are too weak"
-
-
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transpose_b", [False, True])
-def test_gradients_match_float64_reference(dtype, transpose_b):
+def test_gradients_match_float64_reference(dtype, transpose_b, impl):
   a, b = _inputs(dtype, m=50, k=70, n=40, seed=3, transpose_b=transpose_b)
   g = jax.random.normal(jax.random.key(11), (50, 40), jnp.float32).astype(dtype)
-  _, vjp = jax.vjp(lambda a, b: det_matmul(a, b, transpose_b=transpose_b, implementation=IMPL),
+  _, vjp = jax.vjp(lambda a, b: det_matmul(a, b, transpose_b=transpose_b, implementation=impl),
                    a, b)
   da, db = vjp(g)
   assert da.dtype == a.dtype and db.dtype == b.dtype and db.shape == b.shape
@@ -141,14 +85,15 @@ def test_backward_uses_no_xla_dot():
   assert "dot_general" not in outer
 
 
-def test_grad_rows_are_batch_invariant():
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_grad_rows_are_batch_invariant(impl):
   k, n = 64, 96
   x = wide_rows(jax.random.key(12), 150, k, jnp.float32)
   w = jax.random.normal(jax.random.key(13), (k, n), jnp.float32)
   gout = wide_rows(jax.random.key(14), 150, n, jnp.float32)
 
   def da(xs, gs):
-    _, vjp = jax.vjp(lambda a: det_matmul(a, w, implementation=IMPL), xs)
+    _, vjp = jax.vjp(lambda a: det_matmul(a, w, implementation=impl), xs)
     return vjp(gs)[0]
 
   full = da(x, gout)
@@ -156,9 +101,10 @@ def test_grad_rows_are_batch_invariant():
     assert_bitwise_equal(da(x[r:r + 1], gout[r:r + 1]), full[r:r + 1], f"dA row {r}")
 
 
-def test_db_is_run_to_run_deterministic():
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_db_is_run_to_run_deterministic(impl):
   a, b = _inputs("bfloat16", m=130, k=64, n=72)
-  f = jax.jit(jax.grad(lambda b: det_matmul(a, b, implementation=IMPL).astype(jnp.float32).sum()))
+  f = jax.jit(jax.grad(lambda b: det_matmul(a, b, implementation=impl).astype(jnp.float32).sum()))
   first = bits(f(b))
   for _ in range(5):
     assert np.array_equal(bits(f(b)), first)
@@ -202,21 +148,66 @@ def test_bad_inputs_raise_clear_errors():
     det_matmul(a, jnp.ones((8, 3)), implementation="cublas")
   with pytest.raises(TypeError, match="transpose_b"):
     det_matmul(a, jnp.ones((8, 3)), transpose_b=1)
+  with pytest.raises(TypeError, match=r"out_dtype must be one of .*got 'nonsense'"):
+    det_matmul(a, jnp.ones((8, 3)), out_dtype="nonsense")
+  with pytest.raises(TypeError, match=r"out_dtype must be one of .*got int32"):
+    det_matmul(a, jnp.ones((8, 3)), out_dtype=jnp.int32)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error path")
 @pytest.mark.parametrize("impl", ["mosaic", "triton", "cuda"])
 def test_gpu_implementations_explain_what_is_missing_on_cpu(impl):
-  with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+  with pytest.raises(_backend.ImplementationUnavailableError,
+                     match="needs a CUDA GPU.*use implementation='cpu'"):
     det_matmul(jnp.ones((4, 8)), jnp.ones((8, 3)), implementation=impl)
 
 
-def test_default_implementation_on_cpu_is_interpret():
-  from jaxrl_kernels.gemm.api import resolve_implementation
-  if jax.default_backend() == "cpu":
-    assert resolve_implementation(None, jnp.bfloat16, 128, 128) == "interpret"
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
+def test_default_implementation_on_cpu_is_cpu():
+  assert resolve_implementation(None, jnp.bfloat16, 128, 128) == "cpu"
+  a, b = _inputs("float32", m=9, k=40, n=24)
+  assert_bitwise_equal(det_matmul(a, b), det_matmul(a, b, implementation="cpu"), "default")
 
 
+def test_dispatch_table_names_every_backend():
+  """One table: every implementation name maps to a backend object of that name, and
+  the 2-D entry point other ops call runs it."""
+  assert set(gemm_api.BACKENDS) == set(_backend.IMPLEMENTATIONS)
+  for name, backend in gemm_api.BACKENDS.items():
+    assert backend.name == name
+    assert backend.batch_invariant == (name != "xla")
+  a, b = _inputs("float32", m=5, k=40, n=24)
+  out = matmul2d(a, b.T, lhs_transposed=False, rhs_transposed=True, out_dtype=jnp.float32,
+                 implementation="interpret")
+  assert_bitwise_equal(out, det_matmul(a, b, implementation="interpret"), "matmul2d")
+  db = matmul2d(a, jnp.ones((5, 24)), lhs_transposed=True, rhs_transposed=False,
+                out_dtype=jnp.float32, implementation="interpret")
+  assert rel_err(db, np.asarray(a, np.float64).T @ np.ones((5, 24))) <= 1e-5
+
+
+def test_mosaic_support_is_decided_by_the_weight_only():
+  """The Mosaic backend's support check takes N, K and dtype (never M); the default
+  falls back to Triton for a weight it does not take, an explicit request is refused."""
+  assert gemm_mosaic_backend.supported(256, 192, jnp.bfloat16) is None
+  assert "K=100" in gemm_mosaic_backend.supported(256, 100, jnp.bfloat16)
+  assert "float32" in gemm_mosaic_backend.supported(256, 192, jnp.float32)
+
+
+def test_inside_a_users_shard_map():
+  """det_matmul traced inside shard_map (and jit) on the 8-device host mesh: each
+  shard's rows are the bits of the unsharded call."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxrl_kernels._compat import shard_map
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("dp",))
+  a, b = _inputs("float32", m=64, k=40, n=24)
+  f = shard_map(lambda x: det_matmul(x, b), mesh=mesh, in_specs=P("dp"), out_specs=P("dp"),
+                check_vma=False)
+  assert_bitwise_equal(f(a), det_matmul(a, b), "eager shard_map")
+  assert_bitwise_equal(jax.jit(f)(a), det_matmul(a, b), "jit(shard_map)")
+
+
+@pytest.mark.slow  # ten interpreted compilations of random shapes
 @settings(max_examples=10, deadline=None)
 @given(m=st.integers(1, 80), k=st.integers(1, 150), n=st.integers(1, 140),
        dtype=st.sampled_from(DTYPES), transpose_b=st.booleans(), seed=st.integers(0, 2**16))

@@ -1,4 +1,9 @@
-"""det_matmul on a CUDA GPU: the compiled kernels (Mosaic on Hopper, Triton)."""
+"""det_matmul on a CUDA GPU: the compiled kernels (Mosaic on Hopper, Triton) at large shapes.
+
+Position, padding, chunking, mode and run-to-run invariance for every implementation
+are tests/test_contract.py; here the M sweep up to 8192 rows (across the Mosaic
+configs the shape heuristic picks), accuracy, configs and gradients.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -54,37 +59,7 @@ def test_batch_invariance_sweep(impl, dtype):
         assert np.array_equal(bits(out[r:r + 1]), singles[r]), f"{impl} {dtype} row {r} M={m}"
 
 
-@pytest.mark.parametrize("impl,dtype", CASES)
-def test_position_padding_chunking(impl, dtype):
-  k, n = 768, 1024
-  rows = wide_rows(jax.random.key(2), 512, k, dtype)
-  w = jax.random.normal(jax.random.key(3), (k, n)).astype(dtype)
-  f = lambda x: det_matmul(x, w, implementation=impl)
-  base = f(rows[:1])
-  for pos in (0, 137, 511):
-    assert_bitwise_equal(f(rows.at[pos].set(rows[0]))[pos], base[0], f"position {pos}")
-  pad = wide_rows(jax.random.key(4), 300, k, dtype)
-  assert_bitwise_equal(f(jnp.concatenate([pad, rows[:1], pad]))[300], base[0], "padding")
-  full = f(rows)
-  for split in ((100, 412), (1, 511), (256, 1, 255)):
-    parts, s = [], 0
-    for size in split:
-      parts.append(f(rows[s:s + size]))
-      s += size
-    assert_bitwise_equal(jnp.concatenate(parts), full, f"chunks {split}")
-
-
-@pytest.mark.parametrize("impl,dtype", CASES)
-def test_run_to_run(impl, dtype):
-  a = wide_rows(jax.random.key(5), 2048, 2048, dtype)
-  b = jax.random.normal(jax.random.key(6), (2048, 2048)).astype(dtype)
-  f = jax.jit(lambda a, b: det_matmul(a, b, implementation=impl))
-  first = bits(f(a, b))
-  for _ in range(20):
-    assert np.array_equal(bits(f(a, b)), first)
-
-
-@pytest.mark.skipif(not (jax.default_backend() == "gpu" and is_hopper()), reason="needs Hopper")
+@pytest.mark.hopper
 def test_every_mosaic_config_gives_the_same_bits():
   """The free knobs (M/N tile, warpgroups, stages, walk order) keep every bit."""
   from jaxrl_kernels.pallas import gemm_mosaic as gm
@@ -108,7 +83,7 @@ def test_every_mosaic_config_gives_the_same_bits():
     assert np.array_equal(o, outs[0]), f"{c} changed bits vs {configs[0]}"
 
 
-@pytest.mark.skipif(not (jax.default_backend() == "gpu" and is_hopper()), reason="needs Hopper")
+@pytest.mark.hopper
 @pytest.mark.parametrize("rhs_transposed", [False, True])
 @pytest.mark.parametrize("m", [700, 4096])
 def test_mosaic_epilogue_accumulation_is_bitwise_c_plus_product(rhs_transposed, m):
@@ -161,7 +136,7 @@ def test_ragged_weights_route_to_triton(shape):
   assert rel_err(out, matmul_reference(a, b)) <= TOL["bfloat16"][0]
   assert_bitwise_equal(det_matmul(a[m // 2:m // 2 + 1], b), out[m // 2:m // 2 + 1], "mid row")
   if is_hopper():
-    with pytest.raises(ValueError, match="multiples of 64"):
+    with pytest.raises(ValueError, match="cannot run a weight"):
       det_matmul(a, b, implementation="mosaic")
 
 

@@ -10,9 +10,9 @@ from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 from tp_emulation import emulated_tp_logp
 
 from jaxrl_kernels import _backend
-from jaxrl_kernels.linear_logp import api, linear_logp, tile_partials
+from jaxrl_kernels.linear_logp import BackwardConfig, api, linear_logp, tile_partials
+from jaxrl_kernels.linear_logp.logits import head_logits, logits_logp
 from jaxrl_kernels.linear_logp.reference import linear_logp_reference
-from jaxrl_kernels.nn.lm_head import head_logits, logits_logp
 from jaxrl_kernels.pallas import linear_logp_mosaic as lm
 
 pytestmark = pytest.mark.gpu
@@ -46,12 +46,29 @@ def _fwd(layout, **kw):
 def test_resolution_on_hopper():
   # "mosaic" is the Hopper default for bf16/fp16 products; fp32 products resolve to Triton.
   for dt, want in ((jnp.bfloat16, "mosaic"), (jnp.float16, "mosaic"), (jnp.float32, "triton")):
-    assert _backend.resolve("linear_logp", None, dt, supported=api.supported_for(None)) == want
-  assert _backend.resolve("linear_logp", "mosaic", jnp.bfloat16,
-                          supported=api.supported_for("mosaic")) == "mosaic"
+    assert api.resolve("linear_logp", None, dt) == want
+  assert api.resolve("linear_logp", "mosaic", jnp.bfloat16) == "mosaic"
   # fp32 products (fp32_head) have no Mosaic kernel (Triton runs them as 3xTF32).
   with pytest.raises(TypeError, match="mosaic"):
-    _backend.resolve("linear_logp", "mosaic", jnp.float32, supported=api.supported_for("mosaic"))
+    api.resolve("linear_logp", "mosaic", jnp.float32)
+
+
+def test_one_dispatch_table_names_forward_and_backward():
+  """"mosaic" runs its GEMM backward by default and the Triton tile kernels only when the
+  config asks; "triton" runs the Triton tile kernels (before, "triton" on Hopper bf16 ran
+  the Mosaic GEMM backward)."""
+  k = jax.random.split(jax.random.key(9), 3)
+  x = jax.random.normal(k[0], (256, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k[1], (512, 1024), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  tg = jax.random.randint(k[2], (256,), 0, 1024)
+
+  def grad_jaxpr(impl, config=None):
+    fn = jax.grad(lambda x: jnp.sum(linear_logp(x, w, tg, implementation=impl, config=config)))
+    return str(jax.make_jaxpr(fn)(x))
+
+  assert "linear_logp_dlogits" not in grad_jaxpr("mosaic")
+  assert "linear_logp_dlogits" in grad_jaxpr("triton")
+  assert "linear_logp_dlogits" in grad_jaxpr("mosaic", BackwardConfig(kernel="fused"))
 
 
 @pytest.mark.parametrize("dtype,layout,v", [("bfloat16", "hv", V), ("bfloat16", "vh", V),
@@ -246,3 +263,25 @@ def test_sampler_path_is_the_fused_op_bitwise(layout, bias):
   # Control: stock log_softmax of the same logits reduces in another order.
   lp_x = jax.nn.log_softmax(z, axis=-1)[jnp.arange(300), t]
   assert not np.array_equal(bits(lp_x), bits(lp_f))
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_traced_temperature_has_the_static_bits_gpu(impl, temperature):
+  """The temperature reaches every kernel as an operand (1 / temperature): the same value
+  gives the same bits static or traced, forward, dH and sampler logits."""
+  k = jax.random.split(jax.random.key(11), 3)
+  x = jax.random.normal(k[0], (200, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k[1], (512, 1000), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  tg = jax.random.randint(k[2], (200,), 0, 1000)
+
+  def out(x, t):
+    lp, ent = linear_logp(x, w, tg, temperature=t, return_entropy=True, implementation=impl)
+    g = jax.grad(lambda x: jnp.sum(linear_logp(x, w, tg, temperature=t,
+                                               implementation=impl)))(x)
+    return lp, ent, g, head_logits(x, w, temperature=t, implementation=impl)
+
+  static = jax.jit(lambda x: out(x, temperature))(x)
+  traced = jax.jit(out)(x, jnp.float32(temperature))
+  for name, s_, t_ in zip(("logp", "entropy", "dH", "logits"), static, traced):
+    assert_bitwise_equal(s_, t_, f"{impl} {name}: static vs traced temperature")

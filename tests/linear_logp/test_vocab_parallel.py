@@ -168,7 +168,7 @@ def test_out_of_range_active_target_is_nan_under_jit():
                                              implementation=IMPL))
   lp = np.asarray(fn(tg))
   assert np.isnan(lp[3]) and np.all(np.isfinite(np.delete(lp, 3)))
-  with pytest.raises(ValueError, match="outside"):
+  with pytest.raises(ValueError, match=r"targets must lie in \[0, 1000\)"):
     vocab_parallel_logp(x, pad_vocab(w, 4), tg, mesh=_mesh(4), weight_spec=P(None, "tp"),
                         vocab_size=V, implementation=IMPL)
 
@@ -199,11 +199,96 @@ def test_bad_layouts_raise():
                         merge="mean", **kw)
 
 
+@pytest.mark.parametrize("check_vma,impl", [(True, "cpu"), (False, "cpu"), (False, IMPL)])
+def test_gradients_inside_users_shard_map(check_vma, impl):
+  """Forward bits and gradients (dH summed over the shards, dW per shard) of a direct call in
+  a user's shard_map: typed (check_vma=True, JAX's default) with the CPU default, untyped
+  with it and with the interpreted kernels."""
+  x, w, tg, _, mask = _case(seed=6)
+  ref_lp, ref_ent = linear_logp(x, w, tg, mask=mask, return_entropy=True, implementation=impl)
+  wp = pad_vocab(w, 2)
+
+  def body(h, ws, t, m):
+    return vocab_parallel_linear_logp(h, ws, t, axis_name="tp", vocab_size=V, mask=m,
+                                      return_entropy=True, implementation=impl)
+
+  f = shard_map(body, mesh=_mesh(2), in_specs=(P(), P(None, "tp"), P(), P()),
+                out_specs=(P(), P()), check_vma=check_vma)
+  lp, ent = jax.jit(f)(x, wp, tg, mask)
+  assert_bitwise_equal(lp, ref_lp, f"logp {impl}")
+  assert_bitwise_equal(ent, ref_ent, f"entropy {impl}")
+
+  def loss(h, ws):
+    lp, ent = f(h, ws, tg, mask)
+    return jnp.sum(lp) + 0.5 * jnp.sum(ent)
+
+  def ref_loss(h, w_):
+    lp, ent = linear_logp(h, w_, tg, mask=mask, return_entropy=True, implementation=impl)
+    return jnp.sum(lp) + 0.5 * jnp.sum(ent)
+
+  dh, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, wp)
+  rh, rw = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(x, w)
+  assert rel_err(dh, rh) < TOL["float32"][1]
+  assert rel_err(dw[:, :V], rw) < TOL["float32"][1]
+
+
 def test_check_vma_shard_map_gets_a_clear_error():
   x, w, tg, _, _ = _case()
-  body = lambda h, ws, t: vocab_parallel_linear_logp(h, ws, t, axis_name="tp", vocab_size=V,
+  body = lambda h, ws, t: vocab_parallel_linear_logp(h, ws, t, axis_name="tp", vocab_size=V,  # noqa: E731
                                                      implementation=IMPL)
   f = shard_map(body, mesh=_mesh(2), in_specs=(P(), P(None, "tp"), P()), out_specs=P(),
                 check_vma=True)
-  with pytest.raises(ValueError, match="check_vma=False"):
+  with pytest.raises(ValueError, match="check_vma=False\\) only.*implementation='cpu' runs"):
     f(x, pad_vocab(w, 2), tg)
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_global_arrays_on_meshes_from_make_mesh(axis_type):
+  """jax.make_mesh meshes (Explicit axes by default, or Auto), unsharded global arrays, eager
+  and under jit: resharded as needed, the unsharded op's bits."""
+  x, w, tg, _, _ = _case(seed=7)
+  ref_lp = _unsharded(x, w, tg)[0]
+  kind = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+  mesh = jax.make_mesh((4,), ("tp",), axis_types=(kind[axis_type],),
+                       devices=jax.devices()[:4])
+  fn = functools.partial(vocab_parallel_logp, mesh=mesh, weight_spec=P(None, "tp"),
+                         vocab_size=V, implementation=IMPL)
+  assert_bitwise_equal(fn(x, pad_vocab(w, 4), tg), ref_lp, f"eager, {axis_type} mesh")
+  assert_bitwise_equal(jax.jit(fn)(x, pad_vocab(w, 4), tg), ref_lp, f"jit, {axis_type} mesh")
+
+
+def test_validate_catches_rows_that_differ_across_the_tp_axis():
+  """Without validate, rows that differ per device give finite wrong values; validate=True
+  turns that into a checkify error, and passes when the rows agree."""
+  from jax.experimental import checkify
+
+  x, w, tg, _, _ = _case(seed=8)
+  wp = pad_vocab(w, 2)
+
+  def run(h_spec, validate):
+    body = lambda h, ws, t: vocab_parallel_linear_logp(  # noqa: E731
+        h, ws, t, axis_name="tp", vocab_size=V, implementation=IMPL, validate=validate)
+    f = shard_map(body, mesh=_mesh(2), in_specs=(h_spec, P(None, "tp"), P()),
+                  out_specs=P(), check_vma=False)
+    return checkify.checkify(jax.jit(f))
+
+  # P("tp") on the rows of a [2T, H] array: each device sees different hidden rows.
+  x2 = jnp.concatenate([x, x[::-1]])
+  err, lp = run(P("tp"), False)(x2, wp, tg)
+  err.throw()  # nothing checked: a finite wrong answer
+  assert np.all(np.isfinite(np.asarray(lp)))
+  err, _ = run(P("tp"), True)(x2, wp, tg)
+  with pytest.raises(checkify.JaxRuntimeError, match="hidden differs across the devices"):
+    err.throw()
+  err, lp = run(P(), True)(x, wp, tg)
+  err.throw()
+  assert_bitwise_equal(lp, _unsharded(x, w, tg)[0], "validated")
+
+
+def test_misleading_names_fixed():
+  x, w, tg, _, _ = _case()
+  with pytest.raises(ValueError, match="weight_layout must be one of"):
+    vocab_parallel_logp(x, pad_vocab(w, 2), tg, mesh=_mesh(2), weight_spec=P(None, "tp"),
+                        weight_layout="bad", implementation=IMPL)
+  with pytest.raises(ValueError, match="pad_vocab: weight_layout must be one of"):
+    pad_vocab(w, 8, weight_layout="HV")

@@ -1,4 +1,8 @@
-"""Checkpoint round trips (safetensors, orbax) and mismatch errors."""
+"""Checkpoint round trips (safetensors, orbax), mismatch errors, orbax only where needed."""
+
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,10 +45,10 @@ def test_mismatches_are_listed_and_nothing_changes(tmp_path):
   other = TinyCausalLM(TinyLMConfig.preset("test", dtype="bfloat16", mlp_dim=32),
                        rngs=nnx.Rngs(3))
   checkpoint.save_params(src, tmp_path / "p.safetensors")
-  before = np.asarray(other.blocks[0].up.kernel.value)
+  before = np.asarray(other.blocks[0].up.kernel[...])
   with pytest.raises(ValueError, match=r"up.kernel: checkpoint bfloat16\[32, 64\] vs model"):
     checkpoint.load_params(other, tmp_path / "p.safetensors")
-  assert np.array_equal(np.asarray(other.blocks[0].up.kernel.value), before)
+  assert np.array_equal(np.asarray(other.blocks[0].up.kernel[...]), before)
   arrays = checkpoint.load_safetensors(tmp_path / "p.safetensors")
   arrays.pop("final_norm.scale")
   arrays["extra.w"] = np.zeros(2, np.float32)
@@ -54,3 +58,25 @@ def test_mismatches_are_listed_and_nothing_changes(tmp_path):
     checkpoint.load_params(src, tmp_path / "q.safetensors")
   with pytest.raises(FileNotFoundError):
     checkpoint.load_params(src, tmp_path / "nothing.safetensors")
+
+
+def test_orbax_is_imported_only_for_orbax_folders(tmp_path, monkeypatch):
+  src, dst = _pair()
+  monkeypatch.setitem(sys.modules, "orbax", None)  # as if orbax-checkpoint were not installed
+  monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+  # *.safetensors needs no extra package.
+  checkpoint.save_params(src, tmp_path / "p.safetensors")
+  checkpoint.load_params(dst, tmp_path / "p.safetensors")
+  with pytest.raises(ImportError, match=r"save_params: .*orbax-checkpoint package: pip install "
+                                        r"'jaxrl_kernels\[orbax\]'"):
+    checkpoint.save_params(src, tmp_path / "orbax_dir")
+  with pytest.raises(ImportError, match=r"load_params: .*jaxrl_kernels\[orbax\]"):
+    checkpoint.load_params(dst, tmp_path)  # an existing folder: read as orbax
+
+
+def test_the_package_imports_without_orbax():
+  code = ("import sys; sys.modules['orbax'] = None; import jaxrl_kernels, jaxrl_kernels.nn; "
+          "import jaxrl_kernels.parity, jaxrl_kernels.nn.checkpoint; print('ok')")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from helpers import assert_bitwise_equal, bits
 
+from jaxrl_kernels.attention import cpu as attention_cpu
 from jaxrl_kernels.nn.sampler import sample, score
 from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
-from jaxrl_kernels.pallas import attention_triton
 
 V = 64  # the "test" preset
 # Prompt lengths of the sampler's batch; the second row crosses two key tiles.
@@ -130,7 +130,7 @@ def test_forward_layouts_bitwise(lm, seqs, alone):
 def test_decode_with_other_key_tile_differs_control(lm, seqs, alone, monkeypatch):
   """The comparison can fail: a decode step whose attention tiles the keys differently
   (16 instead of KEY_TILE) changes the bits of a token that sees more than 16 keys."""
-  monkeypatch.setattr(attention_triton, "KEY_TILE", 16)
+  monkeypatch.setattr(attention_cpu, "KEY_TILE", 16)
   dec = nnx.jit(lambda m, t, c: m.decode_step(t, c))  # traced with the patched tile
   p = max(PROMPTS)
   s = seqs[1]
@@ -186,7 +186,7 @@ def test_score_values_match_forward(lm, rollout):
   tok = np.asarray(res.tokens)
   got = score(lm, tok, res.completion_mask, temperature=0.7)
   h = np.asarray(_fwd_plain(lm, tok[1:2]), np.float64)[0]
-  z = h @ np.asarray(lm.embed.embedding.value, np.float64).T / 0.7
+  z = h @ np.asarray(lm.embed.embedding[...], np.float64).T / 0.7
   lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
   n = int(res.lengths[1])
   ref = z[np.arange(n - 1), tok[1, 1:n]] - lse[:n - 1]

@@ -110,7 +110,33 @@ def test_shape_and_dtype_errors():
   cand, ref, targets = _pair(6)
   with pytest.raises(ValueError, match="must have the same shape"):
     logprob_drift(cand[:1], ref, targets)
-  with pytest.raises(TypeError, match="targets must be integer token ids"):
+  with pytest.raises(TypeError, match="logprob_drift: targets must have an integer dtype"):
     logprob_drift(cand, ref, targets.astype(np.float32))
   with pytest.raises(ValueError, match=r"mask must have shape \(3, 5, 4\)"):
     logprob_drift(cand, ref, targets, np.ones((3, 5), bool))
+
+
+def test_bad_input_is_named_and_masks_accept_lists_and_0_1():
+  cand, ref, targets = _pair(7)
+  mask = np.ones(cand.shape, bool)
+  mask[0, 0, 0] = False
+  cand_g = cand.copy()
+  cand_g[0, 0, 0] = np.nan  # masked: ignored
+  want = logprob_drift(cand, ref, targets, mask)
+  for form in (mask.astype(np.float32), mask.astype(np.int32).tolist(), jnp.asarray(mask)):
+    assert logprob_drift(cand_g, ref, targets, form) == want
+  bad = mask.astype(np.float32)
+  bad[1, 1, 1] = 2.0
+  with pytest.raises(ValueError, match=r"logprob_drift: mask must be bool or hold only 0 and 1, "
+                                       r"got 2.0 at index \(1, 1, 1\)"):
+    logprob_drift(cand, ref, targets, bad)
+  big = targets.astype(np.int64)
+  big[0, 0, 1] = 2**32 + 5
+  with pytest.raises(ValueError, match=r"logprob_drift: targets must fit int32, got 4294967301"):
+    logprob_drift(cand, ref, big)
+  with pytest.raises(TypeError, match="logprob_drift: candidate must be a float array"):
+    logprob_drift(targets, ref, targets)
+  with pytest.raises(TypeError, match=r"logprob_drift: shard_ranges\[0\] must be an integer"):
+    logprob_drift(cand, ref, targets, shard_ranges=[(0.0, 4.5)])
+  with pytest.raises(ValueError, match=r"shard_ranges\[1\] must be a \(start, end\) pair"):
+    logprob_drift(cand, ref, targets, shard_ranges=[(0, 4), (4, 5, 6)])

@@ -111,6 +111,40 @@ def test_errors():
     masked_mean(jnp.ones(3), jnp.ones((2, 3), bool))
 
 
+def test_weight_mask_gradient_ignores_garbage_at_zero_weight():
+  # d/dw of sum(w * v) is v: with v = NaN where w = 0, multiplying by zero would give NaN.
+  v = np.array([1.0, np.nan, 3.0, np.inf], np.float32)
+  w = np.array([0.5, 0.0, 2.0, 0.0], np.float32)
+  for f in (masked_sum, masked_mean):
+    gv, gw = jax.grad(lambda a, b, f=f: f(a, b), argnums=(0, 1))(jnp.asarray(v), jnp.asarray(w))
+    assert np.all(np.isfinite(gv)) and np.all(np.isfinite(gw)), f.__name__
+    assert gv[1] == 0 and gv[3] == 0, f.__name__
+    if f is masked_sum:  # (a mean's denominator depends on every weight, zero or not)
+      assert gw[1] == 0 and gw[3] == 0
+  assert float(masked_sum(v, w)) == 6.5
+  # Control: the multiply-by-the-mask formulation poisons the weight gradient.
+  gw = jax.grad(lambda b: jnp.sum(jnp.asarray(v) * b))(jnp.asarray(w))
+  assert np.isnan(gw[1])
+
+
+def test_lists_and_named_errors():
+  assert float(masked_sum([1.0, 2.0, 4.0], [True, False, True])) == 5.0
+  assert float(masked_mean([1.0, 2.0, 4.0], [1, 0, 1])) == 2.5
+  assert float(masked_count([[True, False]])) == 1.0
+  with pytest.raises(TypeError, match="masked_sum: mask must have a bool, integer or float dtype"):
+    masked_sum(jnp.ones(2), np.array([1j, 0]))
+  with pytest.raises(TypeError, match="masked_mean: values must have a bool, integer or float"):
+    masked_mean(np.array(["a", "b"]), np.ones(2, bool))
+  with pytest.raises(ValueError, match="masked_sum: axis 2 is out of range for values of rank 2"):
+    masked_sum(jnp.ones((2, 3)), jnp.ones((2, 3), bool), axis=2)
+  with pytest.raises(TypeError, match="masked_count: axis must be None, an int or a sequence"):
+    masked_count(jnp.ones((2, 3), bool), axis=1.0)
+  with pytest.raises(TypeError, match="masked_mean: eps must be a real number"):
+    masked_mean(jnp.ones(3), jnp.ones(3, bool), eps="1e-6")
+  with pytest.raises(TypeError, match="axis_names must be a mesh axis name"):
+    masked_sum(jnp.ones(3), jnp.ones(3, bool), axis_names=1)
+
+
 def _mesh(shape, names):
   n = int(np.prod(shape))
   if len(jax.devices()) < n:

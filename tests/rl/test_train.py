@@ -56,7 +56,7 @@ def _logp(params, batch):
 def loss_fn(params, batch, num_documents):
   """GRPO-style sequence-mean loss, normalised by the step's document count."""
   loss, _ = rl.ppo_clip_loss(_logp(params, batch), batch["old_logp"], batch["adv"],
-                             batch["mask"], token_level=False, denominator=num_documents)
+                             mask=batch["mask"], token_level=False, denominator=num_documents)
   return loss
 
 
@@ -148,7 +148,7 @@ def test_grad_fn_compiled_once_per_shape():
 def test_aux_is_summed_and_low_precision_params():
   def aux_loss(params, batch, num_documents):
     loss, m = rl.ppo_clip_loss(_logp(params, batch), batch["old_logp"], batch["adv"],
-                               batch["mask"], token_level=False, denominator=num_documents)
+                               mask=batch["mask"], token_level=False, denominator=num_documents)
     return loss, {"tokens": m["num_tokens"]}
 
   mbs = [_micro_batch(2, 30), _micro_batch(3, 31)]
@@ -168,10 +168,26 @@ def test_static_mode_partial_last_step_and_errors():
   assert len(pulled) == 1 and n == 2
   with pytest.raises(StopIteration):
     trainer.pull(iter([]))
-  with pytest.raises(ValueError, match="docs_per_step must be an int >= 0, got -1"):
+  with pytest.raises(ValueError, match="Trainer: docs_per_step must be >= 0, got -1"):
     Trainer(loss_fn, optax.sgd(0.1), count_documents=count_documents, docs_per_step=-1)
-  with pytest.raises(ValueError, match="micro_batches must be an int >= 1, got 0"):
+  with pytest.raises(ValueError, match="Trainer: micro_batches must be >= 1, got 0"):
     Trainer(loss_fn, optax.sgd(0.1), count_documents=count_documents, micro_batches=0)
+  # A flag or a float where a count belongs is a named TypeError, never a silent 1.
+  for kwargs in (dict(docs_per_step=True), dict(micro_batches=2.0)):
+    with pytest.raises(TypeError, match="Trainer: .* must be an integer"):
+      Trainer(loss_fn, optax.sgd(0.1), count_documents=count_documents, **kwargs)
+  with pytest.raises(TypeError, match="Trainer: has_aux must be a Python bool"):
+    Trainer(loss_fn, optax.sgd(0.1), count_documents=count_documents, has_aux=1)
+  with pytest.raises(TypeError, match="Trainer: batch_sharding must be a jax.sharding.Sharding"):
+    Trainer(loss_fn, optax.sgd(0.1), count_documents=count_documents, batch_sharding="data")
+  # count_documents may answer with a 0-d integer array; a fraction is an error.
+  t = Trainer(loss_fn, optax.sgd(0.1), count_documents=lambda b: jnp.sum(b["mask"].any(-1)),
+              docs_per_step=1)
+  assert t.pull(iter([_micro_batch(2, 41)]))[1] == 2
+  t = Trainer(loss_fn, optax.sgd(0.1), count_documents=lambda b: 2.5, docs_per_step=1)
+  with pytest.raises(TypeError, match=r"Trainer.pull: count_documents\(batch\) must be an "
+                                      r"integer, got 2.5"):
+    t.pull(iter([_micro_batch(2, 42)]))
 
 
 def _mesh2():
@@ -204,7 +220,7 @@ def test_two_device_mesh_with_shard_map_loss_and_global_reductions():
 
   def per_device(params, batch, num_documents):
     loss, _ = rl.ppo_clip_loss(_logp(params, batch), batch["old_logp"], batch["adv"],
-                               batch["mask"], token_level=False, axis_names="data",
+                               mask=batch["mask"], token_level=False, axis_names="data",
                                denominator=num_documents)
     return loss
 

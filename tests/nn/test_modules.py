@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 
 from jaxrl_kernels.gemm import det_matmul
-from jaxrl_kernels.linear_logp import merge
+from jaxrl_kernels.linear_logp import tile_partials
 from jaxrl_kernels.linear_logp.reference import linear_logp_reference
 from jaxrl_kernels.nn.lm_head import LMHead, logp_from_stats
 from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
@@ -24,12 +24,12 @@ def _head(dtype, tied, *, fp32_head=False, seed=0):
   head = LMHead(H, V, tied_embedding=emb, use_bias=not tied, fp32_head=fp32_head,
                 param_dtype=dtype, rngs=nnx.Rngs(seed))
   if head.bias is not None:
-    head.bias.value = jax.random.normal(jax.random.key(seed + 1), (V,)).astype(dtype)
+    head.bias.set_value(jax.random.normal(jax.random.key(seed + 1), (V,)).astype(dtype))
   return head
 
 
 def _weight(head):
-  return head._weight(), head.weight_layout
+  return head.weight(), head.weight_layout
 
 
 def _fused_logits(head, h):
@@ -37,11 +37,11 @@ def _fused_logits(head, h):
   target logit ``z[t]`` (an exact masked sum), with every row repeated for every t
   (the device's default implementation, as the head's)."""
   w, layout = _weight(head)
-  hr = jnp.repeat(head._hidden(h), V, axis=0)
+  hr = jnp.repeat(head.hidden(h), V, axis=0)
   tg = jnp.tile(jnp.arange(V, dtype=jnp.int32), h.shape[0])
-  b = None if head.bias is None else head.bias.value
-  _, _, _, tz = merge.tile_partials(hr, w, b, tg, weight_layout=layout,
-                                    compute_dtype=head.compute_dtype)
+  b = None if head.bias is None else head.bias[...]
+  _, _, _, tz = tile_partials(hr, w, b, tg, weight_layout=layout,
+                              compute_dtype=head.compute_dtype)
   return tz.reshape(h.shape[0], V)
 
 
@@ -52,7 +52,7 @@ def test_lm_head_values_vs_float64(tied):
   t = jax.random.randint(jax.random.key(4), (3, 5), 0, V)
   mask = jnp.arange(5)[None, :] < jnp.array([[5], [2], [0]])
   w, layout = _weight(head)
-  b = None if head.bias is None else head.bias.value
+  b = None if head.bias is None else head.bias[...]
   ref = linear_logp_reference(h, w, t, bias=b, mask=mask, weight_layout=layout, temperature=0.8)
   logp, ent = head(h, t, mask, temperature=0.8, return_entropy=True)
   assert logp.shape == ent.shape == (3, 5) and logp.dtype == jnp.float32
@@ -71,11 +71,11 @@ def test_tied_head_reads_the_embedding_variable():
   head = LMHead(H, V, tied_embedding=emb, rngs=nnx.Rngs(0))
   assert head.kernel is None and head.weight_layout == "vh"
   untied = LMHead(H, V, rngs=nnx.Rngs(0))
-  untied.kernel.value = emb.value.T  # same numbers, [H, V] layout
+  untied.kernel.set_value(emb[...].T)  # same numbers, [H, V] layout
   h = jax.random.normal(jax.random.key(1), (9, H))
   t = jnp.arange(9) * 17
   assert rel_err(head(h, t), untied(h, t)) <= TOL["float32"][0]
-  emb.value = emb.value * 2  # the head sees the shared variable, not a copy
+  emb.set_value(emb[...] * 2)  # the head sees the shared variable, not a copy
   assert rel_err(head(h, t), untied(h, t)) > 1e-3
   with pytest.raises(ValueError, match=r"tied_embedding must be \[vocab, hidden\]"):
     LMHead(H, V + 1, tied_embedding=emb, rngs=nnx.Rngs(0))
@@ -96,7 +96,7 @@ def test_det_matmul_projection_differs_control():
   head = _head(jnp.float32, False)
   head.bias = None
   h = wide_rows(jax.random.key(5), 6, H, jnp.float32)
-  z_gemm = det_matmul(h, head.kernel.value, out_dtype=jnp.float32)
+  z_gemm = det_matmul(h, head.kernel[...], out_dtype=jnp.float32)
   assert not np.array_equal(bits(z_gemm), bits(_fused_logits(head, h)))
 
 
@@ -127,9 +127,12 @@ def _sampler_matches_fused(dtype, tied, *, implementation=None, entropy_bitwise=
   return head, h, z
 
 
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "cpu"])
 @pytest.mark.parametrize("dtype,tied", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_argmax_logp_from_logits_equals_fused_bitwise(dtype, tied):
-  _sampler_matches_fused(dtype, tied)
+def test_argmax_logp_from_logits_equals_fused_bitwise(dtype, tied, implementation):
+  _sampler_matches_fused(dtype, tied, implementation=implementation)
 
 
 def _sampler_entropy_matches_fused(dtype, tied, implementation=None):
@@ -157,9 +160,10 @@ def _sampler_entropy_matches_fused(dtype, tied, implementation=None):
   assert np.max(np.abs(np.asarray(stats.entropy, np.float64) - ent)) < 1e-4 * max(1.0, ent.max())
 
 
+@pytest.mark.parametrize("implementation", [None, "interpret"])
 @pytest.mark.parametrize("dtype,tied", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_sampler_entropy_equals_fused_bitwise(dtype, tied):
-  _sampler_entropy_matches_fused(dtype, tied)
+def test_sampler_entropy_equals_fused_bitwise(dtype, tied, implementation):
+  _sampler_entropy_matches_fused(dtype, tied, implementation)
 
 
 @pytest.mark.gpu
@@ -204,8 +208,8 @@ def _mosaic_sampler_matches_fused(tied, *, entropy_bitwise):
   w, layout = _weight(head)
   hr = jnp.repeat(h, V, axis=0)
   tg = jnp.tile(jnp.arange(V, dtype=jnp.int32), T)
-  _, _, _, tz = merge.tile_partials(hr, w, head._bias(), tg, weight_layout=layout,
-                                    temperature=0.7, implementation="mosaic")
+  _, _, _, tz = tile_partials(hr, w, head.bias_value(), tg, weight_layout=layout,
+                              temperature=0.7, implementation="mosaic")
   assert_bitwise_equal(z, tz.reshape(T, V), "logits vs fused z")
 
 
@@ -218,30 +222,30 @@ def test_logits_gradients_vs_float64():
     return jnp.sum(head.logits(h, temperature=2.0) * g)
 
   gm, gh = nnx.grad(f, argnums=(0, 1))(head, h)
-  w = np.asarray(head.kernel.value, np.float64)
+  w = np.asarray(head.kernel[...], np.float64)
   g64 = np.asarray(g, np.float64) / 2.0
   assert rel_err(gh, g64 @ w.T) <= TOL["float32"][1]
-  assert rel_err(gm.kernel.value, np.asarray(h, np.float64).T @ g64) <= TOL["float32"][1]
-  assert rel_err(gm.bias.value, g64.sum(0)) <= TOL["float32"][1]
+  assert rel_err(gm.kernel[...], np.asarray(h, np.float64).T @ g64) <= TOL["float32"][1]
+  assert rel_err(gm.bias[...], g64.sum(0)) <= TOL["float32"][1]
 
 
 def test_fp32_head_gradient_reaches_bf16_parameter():
   h = jax.random.normal(jax.random.key(10), (2, 7, H))  # a float32 residual stream
   t = jax.random.randint(jax.random.key(11), (2, 7), 0, V)
   heads = {f: _head(jnp.bfloat16, False, fp32_head=f) for f in (True, False)}
-  w = heads[True].kernel.value
-  ref = linear_logp_reference(h, w, t, bias=heads[True].bias.value, g_logp=np.ones((2, 7)))
+  w = heads[True].kernel[...]
+  ref = linear_logp_reference(h, w, t, bias=heads[True].bias[...], g_logp=np.ones((2, 7)))
   # fp32_head: the float32 hidden is used as is -> float32 accuracy on bf16 weights.
   assert rel_err(heads[True](h, t), ref["logp"]) <= TOL["float32"][0]
   # Without it the hidden is rounded to bf16 first: a different (coarser) path.
   assert rel_err(heads[False](h, t), ref["logp"]) > 10 * TOL["float32"][0]
 
   grads = nnx.grad(lambda m: jnp.sum(m(h, t)))(heads[True])
-  dw = grads.kernel.value
-  assert dw.dtype == jnp.bfloat16 and grads.bias.value.dtype == jnp.bfloat16
+  dw = grads.kernel[...]
+  assert dw.dtype == jnp.bfloat16 and grads.bias[...].dtype == jnp.bfloat16
   assert np.all(np.isfinite(np.asarray(dw, np.float32))) and float(jnp.abs(dw).max()) > 0
   assert rel_err(dw, ref["dw"]) <= TOL["bfloat16"][1]
-  assert rel_err(grads.bias.value, ref["db"]) <= TOL["bfloat16"][1]
+  assert rel_err(grads.bias[...], ref["db"]) <= TOL["bfloat16"][1]
 
 
 # ----------------------------------------------------------------------------- TinyCausalLM
@@ -280,7 +284,7 @@ def test_tiny_lm_logp_batch_and_padding_invariant_bitwise(lm, lm_batch):
 def test_tiny_lm_values_and_segments(lm, lm_batch):
   toks, tg, _ = lm_batch
   h = lm(toks[:1, :10])
-  ref = linear_logp_reference(h, lm.embed.embedding.value, tg[:1, :10], weight_layout="vh")
+  ref = linear_logp_reference(h, lm.embed.embedding[...], tg[:1, :10], weight_layout="vh")
   assert rel_err(lm.logp(toks[:1, :10], tg[:1, :10]), ref["logp"]) <= TOL["float32"][0]
   # Two documents packed in one row (positions restart, segments split) give
   # each document's own hidden states.

@@ -1,6 +1,7 @@
 """The grpo-demo end to end on CPU (a few steps), and its reward."""
 
 import csv
+import sys
 
 import numpy as np
 import pytest
@@ -42,7 +43,49 @@ def test_demo_runs_and_jaxrl_is_exactly_on_policy(tmp_path, capsys):
     assert r["ratio_exact_jaxrl_grad"] == "True" and float(r["max_dlogp_jaxrl_grad"]) == 0.0
   png = (out / "grpo_demo.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n"
-  assert "ratio was exactly 1" in capsys.readouterr().out
+  lines = capsys.readouterr().out.splitlines()
+  assert max(len(line) for line in lines if str(out) not in line) <= 100, max(lines, key=len)
+  # It says that it compiles before the quiet first step.
+  assert lines[0].startswith("grpo-demo: 3 steps") and "compiling" in lines[1]
+  assert lines[2] == grpo_demo.HEADER and lines[3].startswith("   0  ")
+  assert "ratio was exactly 1" in lines[-1] and "stock XLA: the ratio differed" in lines[-2]
+
+
+def _fake_history(steps):
+  row = {k: 0.0 for k in grpo_demo.FIELDS}
+  row.update(ratio_exact_jaxrl=True, ratio_exact_xla=False, ratio_exact_jaxrl_grad=True)
+  return [{**row, "step": i} for i in range(steps)]
+
+
+def test_without_matplotlib_it_says_so_first_and_writes_the_csv(tmp_path, capsys, monkeypatch):
+  ran = []
+  monkeypatch.setattr(grpo_demo, "has_matplotlib", lambda: False)
+  monkeypatch.setattr(grpo_demo, "run",
+                      lambda args: ran.append(capsys.readouterr().out) or _fake_history(2))
+  assert grpo_demo.main(["--out", str(tmp_path), "--steps", "2"]) == 0
+  # The notice came before any training step, and the run went on without the plot.
+  assert "matplotlib is not installed" in ran[0] and "jaxrl_kernels[demo]" in ran[0]
+  assert len(list(csv.DictReader(open(tmp_path / "grpo_demo.csv")))) == 2
+  assert not (tmp_path / "grpo_demo.png").exists()
+  out = capsys.readouterr().out
+  assert "grpo_demo.png" not in out and "differed from 1 at 2 of 2 steps" in out
+
+
+def test_has_matplotlib_sees_a_missing_package(monkeypatch):
+  assert grpo_demo.has_matplotlib()  # the test extra installs it
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+  assert not grpo_demo.has_matplotlib()
+
+
+def test_step_line_fits_100_columns():
+  row = {**_fake_history(1)[0], "step": 999, "reward": 0.123456, "exact": 1.0,
+         "max_dlogp_jaxrl": 1.234e-7, "max_dlogp_jaxrl_grad": 4.56e-7, "max_dlogp_xla": 9.99e-1,
+         "ratio_exact_jaxrl": False, "seconds": 1234.5}
+  line = grpo_demo.step_line(row)
+  assert len(line) <= 100 and len(grpo_demo.HEADER) <= 100
+  assert line.split() == ["999", "0.123", "1.00", "1.2e-07", "4.6e-07", "NO", "1.0e+00",
+                          "1234.5s"]
+  assert grpo_demo.step_line(_fake_history(1)[0]).split()[3:6] == ["0", "0", "yes"]
 
 
 def test_too_few_new_tokens_is_an_error(tmp_path):

@@ -1,0 +1,32 @@
+"""What every ``causal_attention`` backend provides (the dispatch table in ``api.py``).
+
+A backend's ``forward(q, k, v, q_positions, kv_lengths, *, scale)`` returns the
+output ``[B, Tq, Hq, D]`` and the base-2 logsumexp ``[B, Hq, Tq]`` (the
+residual its ``backward`` takes); ``backward(q, k, v, q_positions, kv_lengths,
+out, lse2, d_out, *, scale)`` returns ``(dq, dk, dv)``. ``supported(d, dtype)``
+decides by head dim and dtype only (static, equal for a model's decode and
+prefill), never by ``B``, ``Tq`` or ``S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+  """One implementation of ``causal_attention``'s kernels.
+
+  Attributes:
+    name: the ``implementation=`` name.
+    forward: ``(q, k, v, q_positions, kv_lengths, *, scale) -> (out, lse2)``.
+    backward: ``(q, k, v, q_positions, kv_lengths, out, lse2, d_out, *, scale)
+      -> (dq, dk, dv)``.
+    supported: ``(d, dtype) -> None`` or the reason this backend cannot run it.
+  """
+
+  name: str
+  forward: Callable
+  backward: Callable
+  supported: Callable

@@ -1,0 +1,16 @@
+"""``implementation="triton"`` and ``"interpret"``: ``pallas/gemm_triton.py``.
+
+The same Pallas kernel, compiled by Triton on a CUDA GPU or run by the Pallas
+interpreter on the CPU (the GPU kernel's semantics, for tests). Every shape
+and float dtype; the K tile is ``contract.GEMM_TRITON_BLOCK_K`` by dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jaxrl_kernels.gemm.base import GemmBackend
+from jaxrl_kernels.pallas import gemm_triton
+
+TRITON = GemmBackend("triton", functools.partial(gemm_triton.matmul, interpret=False))
+INTERPRET = GemmBackend("interpret", functools.partial(gemm_triton.matmul, interpret=True))

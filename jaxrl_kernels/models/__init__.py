@@ -1,0 +1,11 @@
+"""Llama / Qwen2 / Qwen3 decoders on the batch-invariant ops, loaded from and saved to
+Hugging Face folders (docs/models.md)."""
+
+from jaxrl_kernels.models.config import PRESETS as PRESETS
+from jaxrl_kernels.models.config import DecoderConfig as DecoderConfig
+from jaxrl_kernels.models.config import config as config
+from jaxrl_kernels.models.config import from_hf_dict as from_hf_dict
+from jaxrl_kernels.models.decoder import DecoderLM as DecoderLM
+from jaxrl_kernels.models.hf import from_pretrained as from_pretrained
+from jaxrl_kernels.models.hf import preset as preset
+from jaxrl_kernels.models.hf import save_pretrained as save_pretrained

@@ -1,0 +1,302 @@
+"""``DecoderConfig``: the architecture of a Llama / Qwen2 / Qwen3 decoder, read from and
+written to a Hugging Face ``config.json``, and the presets at the true public shapes.
+
+Only what changes the forward is kept; every other key of ``config.json`` is
+carried through unchanged in ``extra`` so that :func:`save_pretrained` writes it
+back. Options this package does not implement are refused with a ``ValueError``
+naming the key (never silently ignored): see :func:`from_hf_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Shapes and numerics of a pre-norm GQA decoder with SwiGLU MLP and rotary positions.
+
+  Attributes:
+    model_type: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
+    vocab_size, hidden_size, intermediate_size, num_hidden_layers: sizes.
+    num_attention_heads, num_key_value_heads, head_dim: GQA heads (``head_dim`` may
+      differ from ``hidden_size / num_attention_heads``, as in Qwen3).
+    rms_norm_eps: RMSNorm epsilon.
+    rope_theta: rotary base.
+    rope_scaling: None, or ``("llama3", factor, low_freq_factor, high_freq_factor,
+      original_max_position_embeddings)``.
+    attention_bias: biases on q, k, v (Qwen2: always; Llama: also on o).
+    mlp_bias: biases on gate, up, down (Llama only).
+    qk_norm: RMSNorm over ``head_dim`` of q and k before rotary (Qwen3).
+    tie_word_embeddings: the LM head reads the ``[V, H]`` embedding.
+    max_position_embeddings: carried for ``config.json`` (no effect on the forward).
+    extra: the other keys of ``config.json`` (token ids, dtype, ...), as sorted pairs.
+  """
+
+  model_type: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None
+  attention_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  extra: tuple = ()
+
+  def __post_init__(self):
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"DecoderConfig: model_type must be one of {MODEL_TYPES}, got "
+                       f"{self.model_type!r}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DecoderConfig: {name} must be an int >= 1, got {value!r}")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"DecoderConfig: num_attention_heads={self.num_attention_heads} must be "
+                       f"a multiple of num_key_value_heads={self.num_key_value_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"DecoderConfig: head_dim must be even for rotary, got {self.head_dim}")
+    if self.rope_scaling is not None and self.rope_scaling[0] != "llama3":
+      raise ValueError(f"DecoderConfig: rope_scaling must be None or ('llama3', ...), got "
+                       f"{self.rope_scaling!r}")
+
+  @property
+  def q_dim(self) -> int:
+    return self.num_attention_heads * self.head_dim
+
+  @property
+  def kv_dim(self) -> int:
+    return self.num_key_value_heads * self.head_dim
+
+  def inv_freq(self) -> np.ndarray:
+    """float32 ``[head_dim / 2]`` rotary frequencies, computed as ``transformers`` does:
+    ``1 / theta ** (arange(0, d, 2) / d)`` in float32, then the ``llama3`` rescaling."""
+    d = self.head_dim
+    exps = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv = np.float32(1.0) / (np.float32(self.rope_theta) ** exps)
+    if self.rope_scaling is None:
+      return inv.astype(np.float32)
+    _, factor, low, high, old_len = self.rope_scaling
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = np.float32(2 * math.pi) / inv
+    scaled = np.where(wavelen > low_wavelen, inv / np.float32(factor), inv).astype(np.float32)
+    smooth = ((np.float32(old_len) / wavelen - np.float32(low))
+              / np.float32(high - low)).astype(np.float32)
+    smoothed = ((np.float32(1) - smooth) * scaled / np.float32(factor)
+                + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+  def num_params(self) -> int:
+    h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+    per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+    if self.attention_bias:
+      per_layer += self.q_dim + 2 * self.kv_dim + (h if self.model_type == "llama" else 0)
+    if self.mlp_bias:
+      per_layer += 2 * i + h
+    return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """The ``config.json`` dictionary (``transformers`` reads it back to the same model)."""
+    out: dict[str, Any] = _thaw_extra(self.extra)
+    out.update(
+        architectures=[_ARCHITECTURES[self.model_type]], model_type=self.model_type,
+        vocab_size=int(self.vocab_size), hidden_size=int(self.hidden_size),
+        intermediate_size=int(self.intermediate_size),
+        num_hidden_layers=int(self.num_hidden_layers),
+        num_attention_heads=int(self.num_attention_heads),
+        num_key_value_heads=int(self.num_key_value_heads), head_dim=int(self.head_dim),
+        hidden_act="silu", rms_norm_eps=float(self.rms_norm_eps),
+        rope_theta=float(self.rope_theta),
+        tie_word_embeddings=bool(self.tie_word_embeddings),
+        max_position_embeddings=int(self.max_position_embeddings), attention_dropout=0.0)
+    out.pop("rope_parameters", None)
+    if self.rope_scaling is None:
+      out["rope_scaling"] = None
+    else:
+      _, factor, low, high, old_len = self.rope_scaling
+      out["rope_scaling"] = dict(rope_type="llama3", factor=factor, low_freq_factor=low,
+                                 high_freq_factor=high,
+                                 original_max_position_embeddings=old_len)
+    if self.model_type == "llama":
+      out.update(attention_bias=bool(self.attention_bias), mlp_bias=bool(self.mlp_bias))
+    elif self.model_type == "qwen2":
+      out.update(use_sliding_window=False)
+    else:
+      out.update(attention_bias=False, use_sliding_window=False)
+    return out
+
+
+def _get(d: dict, key: str, default=None, *, required: bool = False):
+  if key not in d or d[key] is None:
+    if required:
+      raise ValueError(f"config.json: the required key {key!r} is missing")
+    return default
+  return d[key]
+
+
+def from_hf_dict(d: dict[str, Any]) -> DecoderConfig:
+  """A :class:`DecoderConfig` from a ``config.json`` dictionary.
+
+  Refused with a ``ValueError`` naming the key: an unknown ``model_type``;
+  ``hidden_act`` other than ``silu``; sliding-window attention
+  (``use_sliding_window`` true or a ``layer_types`` entry other than
+  ``full_attention``); ``rope_scaling`` / ``rope_parameters`` of a type other
+  than ``default`` or ``llama3`` (or ``llama3`` on a non-Llama model);
+  ``attention_dropout`` > 0; ``mlp_bias`` on Qwen; ``attention_bias`` on Qwen3;
+  partial rotary (``partial_rotary_factor`` != 1).
+  """
+  model_type = d.get("model_type")
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"config.json: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+  act = d.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"config.json: hidden_act must be 'silu', got {act!r}")
+  if d.get("use_sliding_window"):
+    raise ValueError("config.json: use_sliding_window=true (sliding-window attention) is not "
+                     "supported")
+  layer_types = d.get("layer_types")
+  if layer_types and any(t != "full_attention" for t in layer_types):
+    raise ValueError(f"config.json: layer_types must all be 'full_attention', got "
+                     f"{sorted(set(layer_types))}")
+  if float(d.get("attention_dropout") or 0.0) != 0.0:
+    raise ValueError(f"config.json: attention_dropout must be 0, got {d['attention_dropout']}")
+  if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+    raise ValueError(f"config.json: partial_rotary_factor must be 1, got "
+                     f"{d['partial_rotary_factor']}")
+  # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters.
+  rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+  if not isinstance(rope, dict):
+    raise ValueError(f"config.json: rope_scaling must be an object or null, got {rope!r}")
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ROPE_TYPES or (rope_type == "llama3" and model_type != "llama"):
+    raise ValueError(f"config.json: rope type {rope_type!r} is not supported for "
+                     f"{model_type!r} (supported: 'default', and 'llama3' for llama)")
+  theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+  scaling = None
+  if rope_type == "llama3":
+    try:
+      scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                 float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+      raise ValueError(f"config.json: rope_scaling of type 'llama3' needs {e.args[0]!r}") from None
+  attention_bias = bool(d.get("attention_bias", False))
+  mlp_bias = bool(d.get("mlp_bias", False))
+  if model_type == "qwen2":
+    attention_bias = True  # Qwen2 always has q/k/v biases (no config key)
+  if model_type != "llama" and mlp_bias:
+    raise ValueError(f"config.json: mlp_bias=true is not supported for {model_type!r}")
+  if model_type == "qwen3" and attention_bias:
+    raise ValueError("config.json: attention_bias=true is not supported for 'qwen3'")
+  heads = int(_get(d, "num_attention_heads", required=True))
+  hidden = int(_get(d, "hidden_size", required=True))
+  known = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+           "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
+           "tie_word_embeddings", "max_position_embeddings", "hidden_act", "attention_dropout",
+           "architectures", "use_sliding_window",
+           # the storage dtype: save_pretrained writes the model's own
+           "torch_dtype", "dtype"}
+  extra = tuple(sorted((k, v) for k, v in d.items() if k not in known))
+  return DecoderConfig(
+      model_type=model_type,
+      vocab_size=int(_get(d, "vocab_size", required=True)),
+      hidden_size=hidden,
+      intermediate_size=int(_get(d, "intermediate_size", required=True)),
+      num_hidden_layers=int(_get(d, "num_hidden_layers", required=True)),
+      num_attention_heads=heads,
+      num_key_value_heads=int(_get(d, "num_key_value_heads", heads)),
+      head_dim=int(_get(d, "head_dim", hidden // heads)),
+      rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
+      rope_theta=theta, rope_scaling=scaling, attention_bias=attention_bias,
+      mlp_bias=mlp_bias, qk_norm=model_type == "qwen3",
+      # transformers' default for all three architectures when the key is absent.
+      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+      max_position_embeddings=int(_get(d, "max_position_embeddings", 32768)),
+      extra=_freeze(extra))
+
+
+def _freeze(x):
+  """Makes nested lists / dicts hashable (the config is a static, hashable dataclass)."""
+  if isinstance(x, dict):
+    return tuple((k, _freeze(v)) for k, v in sorted(x.items()))
+  if isinstance(x, list | tuple):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
+def _thaw_extra(extra: tuple) -> dict[str, Any]:
+  return {k: _thaw(v) for k, v in extra}
+
+
+def _thaw(x):
+  if isinstance(x, tuple):
+    if x and all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) for e in x):
+      return {k: _thaw(v) for k, v in x}
+    return [_thaw(v) for v in x]
+  return x
+
+
+_LLAMA3_ROPE = ("llama3", 32.0, 1.0, 4.0, 8192)
+
+#: The public ``config.json`` of each preset (the shapes and numerics that matter).
+PRESETS: dict[str, DecoderConfig] = {
+    "qwen2.5-0.5b": DecoderConfig(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=True,
+        tie_word_embeddings=True, max_position_embeddings=32768,
+        extra=(("bos_token_id", 151643), ("eos_token_id", 151643))),
+    "qwen2.5-1.5b": DecoderConfig(
+        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=True,
+        tie_word_embeddings=True, max_position_embeddings=131072,
+        extra=(("bos_token_id", 151643), ("eos_token_id", 151643))),
+    "llama-3.2-1b": DecoderConfig(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+        tie_word_embeddings=True, max_position_embeddings=131072,
+        extra=(("bos_token_id", 128000), ("eos_token_id", 128001))),
+    "llama-3.1-8b": DecoderConfig(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=False, max_position_embeddings=131072,
+        extra=(("bos_token_id", 128000), ("eos_token_id", 128001))),
+    "qwen3-8b": DecoderConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        extra=(("bos_token_id", 151643), ("eos_token_id", 151645))),
+}
+
+
+def config(name: str, **overrides) -> DecoderConfig:
+  """The :class:`DecoderConfig` of preset ``name`` (see :data:`PRESETS`), with fields
+  replaced by ``overrides`` (e.g. ``num_hidden_layers=2`` for a shallow copy)."""
+  if name not in PRESETS:
+    raise ValueError(f"models.config: name must be one of {sorted(PRESETS)}, got {name!r}")
+  return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,450 @@
+"""``DecoderLM``: the Llama / Qwen2 / Qwen3 decoder on the batch-invariant ops.
+
+``tokens -> embed -> L x [x + o(attn(rope(q), rope(k), v)) on RMSNorm(x);
+x + down(silu(gate(h)) * up(h)) on h = RMSNorm(x)] -> RMSNorm -> LM head``,
+the forward of ``transformers``' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` (Qwen2: q/k/v biases; Qwen3: RMSNorm over ``head_dim`` of
+q and k before rotary; Llama: optional ``attention_bias`` / ``mlp_bias`` and
+``llama3`` rotary scaling).
+
+Why a token's bits are the same in every layout (decode at one batch size,
+the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCausalLM`:
+
+* every projection runs on ``det_matmul`` (:class:`~jaxrl_kernels.nn.DetLinear`),
+  the head on ``linear_logp`` (:class:`~jaxrl_kernels.nn.LMHead`): a row's bits
+  do not depend on the other rows;
+* RMSNorm's sum of squares is a written-out pairwise tree over the feature axis
+  (:func:`tree_sum`: ``log2 H`` elementwise adds, the same order for every
+  shape), rotary is elementwise from the integer position;
+* attention is ``causal_attention`` on documents left-aligned at key 0
+  (``nn.tiny_lm.documents``), and decode writes each token's ``k, v`` at
+  index = position: fixed key tiles from key 0 give decode == prefill.
+
+``implementation="xla"`` is the stock path the benchmarks compare against:
+``jnp.dot`` projections, ``jax.nn.dot_product_attention`` (cuDNN on GPUs for
+bf16/fp16), ``jnp.mean`` RMSNorm and materialised logits; not batch-invariant.
+
+Parameters (``nnx.Param``, plain arrays) carry a ``logical_axes`` metadata
+entry naming each dimension (``"vocab"``, ``"embed"``, ``"q_heads"``,
+``"kv_heads"``, ``"mlp"``, ``"head_dim"``), for a sharding rule to map onto a mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxrl_kernels import _backend
+from jaxrl_kernels.attention import causal_attention
+from jaxrl_kernels.models.config import DecoderConfig
+from jaxrl_kernels.nn.linear import DetLinear
+from jaxrl_kernels.nn.lm_head import LMHead
+from jaxrl_kernels.nn.tiny_lm import Documents, KVCache, documents
+
+_INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis as a pairwise tree of elementwise adds (zero-padded to a power
+  of two). XLA picks a reduction's summation order from the whole shape (batch and
+  sequence length included); elementwise adds of fixed slices keep one order for every
+  shape, so a row's sum is the same bits wherever the row is."""
+  n = x.shape[-1]
+  width = 1 << max(0, (n - 1).bit_length())
+  if width != n:
+    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm: ``(weight * x32 * rsqrt(mean(x32^2) + eps)).astype(dtype)``, in float32.
+
+  The mean of squares is :func:`tree_sum` ``/ n`` (``jnp.mean`` on the stock
+  path). ``transformers`` rounds the normalised ``x`` to the activation dtype
+  before the weight multiply; here there is one rounding, at the end: XLA may
+  drop an intermediate rounding in one fusion and keep it in another
+  (``xla_allow_excess_precision``), which would make decode and prefill differ
+  in bf16. In float32 the two are the same. ``x [..., n]`` -> the same shape and dtype.
+  """
+
+  def __init__(self, dim: int, *, eps: float, param_dtype, implementation: str | None,
+               axis_name: str = "embed"):
+    self.eps = eps
+    self.implementation = implementation
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.weight.set_metadata(logical_axes=(axis_name,))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    if self.implementation == "xla":
+      ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    else:
+      ms = (tree_sum(x32 * x32) / jnp.float32(x.shape[-1]))[..., None]
+    y = x32 * lax.rsqrt(ms + jnp.float32(self.eps))
+    return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
+
+
+@functools.cache
+def _inv_freq(config: DecoderConfig) -> np.ndarray:
+  return config.inv_freq()
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """``transformers``' rotary embedding of ``x [B, T, heads, d]`` at ``positions [B, T]``.
+
+  ``angle = position * inv_freq`` in float32, ``x cos + rotate_half(x) sin``
+  (``rotate_half([x1, x2]) = [-x2, x1]``) in float32 with one rounding to
+  ``x``'s dtype at the end (``transformers`` rounds ``cos``/``sin`` and each
+  product to the activation dtype; one rounding keeps the bits independent of
+  XLA's fusion, see :class:`RMSNorm`). Elementwise: the same bits for a token
+  wherever it is computed.
+  """
+  ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+def _linear(din, dout, axes, *, bias, dtype, param_dtype, implementation, rngs):
+  layer = DetLinear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                    kernel_init=nnx.initializers.normal(_INIT_STD),
+                    implementation=implementation, rngs=rngs)
+  layer.kernel.set_metadata(logical_axes=axes)
+  if bias:
+    layer.bias.set_metadata(logical_axes=axes[1:])
+  return layer
+
+
+def _stock_attention(q, k, v, kv_lengths, *, causal: bool):
+  """``jax.nn.dot_product_attention``: cuDNN on a GPU for bf16/fp16 where it takes the
+  shapes (it checks them while tracing), else XLA."""
+  # An empty document slot (length 0) would softmax over no key: give it one (its rows
+  # are never read back).
+  kv_lengths = jnp.maximum(kv_lengths.astype(jnp.int32), 1)
+  kw = dict(is_causal=causal, key_value_seq_lengths=kv_lengths)
+  if _backend.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    try:
+      return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+    except (NotImplementedError, ValueError, RuntimeError):
+      pass  # a shape or version cuDNN does not take: the XLA form below
+  return jax.nn.dot_product_attention(q, k, v, **kw)
+
+
+class Attention(nnx.Module):
+  """GQA self-attention: ``q/k/v_proj``, optional ``q_norm``/``k_norm``, rotary, ``o_proj``."""
+
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
+    lin = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
+    h = cfg.hidden_size
+    self.cfg = cfg
+    self.implementation = implementation
+    self.q_proj = _linear(h, cfg.q_dim, ("embed", "q_heads"), bias=cfg.attention_bias, **lin)
+    self.k_proj = _linear(h, cfg.kv_dim, ("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
+    self.v_proj = _linear(h, cfg.kv_dim, ("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
+    o_bias = cfg.attention_bias and cfg.model_type == "llama"
+    self.o_proj = _linear(cfg.q_dim, h, ("q_heads", "embed"), bias=o_bias, **lin)
+    if cfg.qk_norm:
+      norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, implementation=implementation,
+                  axis_name="head_dim")
+      self.q_norm = RMSNorm(cfg.head_dim, **norm)
+      self.k_norm = RMSNorm(cfg.head_dim, **norm)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def qkv(self, x: jax.Array, positions: jax.Array):
+    """``x [B, T, H]`` (normed) at ``positions [B, T]`` -> rotated ``q [B, T, Hq, d]``,
+    ``k, v [B, T, Hkv, d]``."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = _inv_freq(cfg)
+    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+
+  def attend(self, q, k, v, *, q_positions=None, kv_lengths=None):
+    """Causal attention of ``q`` on keys from position 0 (see ``causal_attention``)."""
+    if self.implementation == "xla":
+      b, s = k.shape[:2]
+      kv_lengths = jnp.full((b,), s, jnp.int32) if kv_lengths is None else kv_lengths
+      # Decode: one query at position kv_lengths - 1 sees every key below kv_lengths.
+      return _stock_attention(q, k, v, kv_lengths, causal=q_positions is None)
+    return causal_attention(q, k, v, q_positions=q_positions, kv_lengths=kv_lengths,
+                            scale=self.cfg.head_dim ** -0.5, implementation=self.implementation)
+
+  def out(self, attn: jax.Array) -> jax.Array:
+    b, t = attn.shape[:2]
+    return self.o_proj(attn.reshape(b, t, self.cfg.q_dim))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))`` (``silu(g) * u`` in float32, one rounding)."""
+
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
+    lin = dict(bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype,
+               implementation=implementation, rngs=rngs)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _linear(h, i, ("embed", "mlp"), **lin)
+    self.up_proj = _linear(h, i, ("embed", "mlp"), **lin)
+    self.down_proj = _linear(i, h, ("mlp", "embed"), **lin)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    g, u = self.gate_proj(x), self.up_proj(x)
+    act = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
+    return self.down_proj(act.astype(g.dtype))
+
+
+class DecoderLayer(nnx.Module):
+  """``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
+    norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, implementation=implementation)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+    self.self_attn = Attention(cfg, **kw)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+    self.mlp = MLP(cfg, **kw)
+
+  def _rest(self, x, attn):
+    x = x + self.self_attn.out(attn)
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+  def __call__(self, x, positions, docs: Documents | None):
+    """Full-sequence forward; returns the new ``x`` and this layer's ``k, v``."""
+    q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
+    if docs is None:  # every row is one document from column 0: already aligned
+      attn = self.self_attn.attend(q, k, v)
+    else:
+      attn = docs.scatter(self.self_attn.attend(docs.gather(q), docs.gather(k), docs.gather(v),
+                                                kv_lengths=docs.length))
+    return self._rest(x, attn), k, v
+
+  def decode(self, x, cache_k, cache_v, lengths):
+    """One token per row ``x [B, 1, H]`` at position ``lengths[b]``: writes its ``k, v``
+    into the cache and attends to slots ``0..lengths[b]``."""
+    q, k, v = self.self_attn.qkv(self.input_layernorm(x), lengths[:, None])
+    rows = jnp.arange(x.shape[0])
+    cache_k = cache_k.at[rows, lengths].set(k[:, 0].astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows, lengths].set(v[:, 0].astype(cache_v.dtype), mode="drop")
+    attn = self.self_attn.attend(q, cache_k, cache_v, q_positions=lengths[:, None],
+                                 kv_lengths=lengths + 1)
+    return self._rest(x, attn), cache_k, cache_v
+
+
+def _layer_forward(layer, x, positions, docs):
+  return layer(x, positions, docs)[0]
+
+
+def _is_traced(*xs) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+class DecoderLM(nnx.Module):
+  """A Llama / Qwen2 / Qwen3 causal LM whose per-token log-probs are batch-invariant.
+
+  Build one with :func:`jaxrl_kernels.models.from_pretrained` (a Hugging Face
+  folder), :func:`jaxrl_kernels.models.preset` (random weights at a public
+  shape), or directly from a :class:`DecoderConfig`.
+
+  The methods follow :class:`~jaxrl_kernels.nn.TinyCausalLM`'s protocol (the one
+  ``nn.sample`` / ``nn.score`` use): ``model(tokens, positions=, segment_ids=)``
+  -> final-norm hidden states, :meth:`logp` through the fused head (no
+  ``[T, V]`` logits), :meth:`init_cache` / :meth:`prefill` / :meth:`decode_step`
+  on an explicit :class:`~jaxrl_kernels.nn.KVCache`, and ``head``
+  (:class:`~jaxrl_kernels.nn.LMHead`, tied to ``embed_tokens`` when the config
+  says so). A token's bits depend only on its document's tokens up to it.
+
+  Args:
+    config: the architecture.
+    dtype: activation, compute and KV-cache dtype (``"float32"``, ``"bfloat16"`` or
+      ``"float16"``).
+    param_dtype: parameter storage dtype (default ``dtype``).
+    implementation: passed to every op (None: the batch-invariant kernels for the
+      device; ``"xla"``: the stock path, see the module docstring).
+    remat: recompute each layer's activations in the backward pass (``nnx.remat``)
+      instead of storing them: less memory for training, the same bits.
+    rngs: initialises the weights (normal, std 0.02; norms at 1).
+  """
+
+  def __init__(self, config: DecoderConfig, *, dtype="float32", param_dtype=None,
+               implementation: str | None = None, remat: bool = False, rngs: nnx.Rngs):
+    if not isinstance(config, DecoderConfig):
+      raise TypeError(f"DecoderLM: config must be a DecoderConfig, got {type(config).__name__}")
+    dt = jnp.dtype(dtype)
+    pdt = dt if param_dtype is None else jnp.dtype(param_dtype)
+    for name, d in (("dtype", dt), ("param_dtype", pdt)):
+      if d.name not in _DTYPES:
+        raise ValueError(f"DecoderLM: {name} must be one of {_DTYPES}, got {d.name!r}")
+    if implementation is not None and implementation not in _backend.IMPLEMENTATIONS:
+      raise ValueError(f"DecoderLM: implementation must be None or one of "
+                       f"{_backend.IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(remat, bool):
+      raise TypeError(f"DecoderLM: remat must be a bool, got {remat!r}")
+    cfg = config
+    self.config = cfg
+    self.dtype = dt
+    self.implementation = implementation
+    self.remat = remat
+    kw = dict(dtype=dt, param_dtype=pdt, implementation=implementation, rngs=rngs)
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pdt,
+                                  embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+    self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
+    self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt,
+                        implementation=implementation)
+    tied = self.embed_tokens.embedding if cfg.tie_word_embeddings else None
+    self.head = LMHead(cfg.hidden_size, cfg.vocab_size, tied_embedding=tied, param_dtype=pdt,
+                       kernel_init=nnx.initializers.normal(_INIT_STD),
+                       implementation=implementation, rngs=rngs)
+    if tied is None:
+      self.head.kernel.set_metadata(logical_axes=("embed", "vocab"))
+
+  # ------------------------------------------------------------------------- full sequence
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, *, max_docs: int | None = None
+               ) -> jax.Array:
+    """Final-norm hidden states ``[B, T, H]`` in ``dtype``.
+
+    Layouts as :meth:`TinyCausalLM.__call__ <jaxrl_kernels.nn.TinyCausalLM.__call__>`:
+    right padding (no arguments), left padding (``positions = arange(T) - pad``;
+    negative positions are padding), packing (``segment_ids``, positions
+    restarting at 0 per document), any mix; ``max_docs`` (static, default
+    ``B``) bounds the number of documents in the batch.
+
+    Args:
+      tokens: ``[B, T]`` int ids in ``[0, V)``.
+      positions: ``[B, T]`` int, default ``arange(T)``.
+      segment_ids: ``[B, T]`` int, default all 0.
+      max_docs: static int >= 1 (only with ``positions`` or ``segment_ids``).
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+      raise ValueError(f"DecoderLM: tokens must be [B, T], got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise TypeError(f"DecoderLM: tokens must be integers, got {tokens.dtype}")
+    b, t = tokens.shape
+    docs = None
+    if positions is None and segment_ids is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:
+      positions = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+                   if positions is None else jnp.asarray(positions))
+      segment_ids = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(
+          segment_ids)
+      for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+        if x.shape != (b, t):
+          raise ValueError(f"DecoderLM: {name} must have shape {(b, t)}, got {x.shape}")
+      max_docs = b if max_docs is None else max_docs
+      if not isinstance(max_docs, int) or isinstance(max_docs, bool) or max_docs < 1:
+        raise ValueError(f"DecoderLM: max_docs must be a static int >= 1, got {max_docs!r}")
+      docs = documents(positions, segment_ids, max_docs, op="DecoderLM")
+    x = self.embed_tokens(tokens)
+    forward = nnx.remat(_layer_forward) if self.remat else _layer_forward
+    for layer in self.layers:
+      x = forward(layer, x, positions, docs)
+    return self.norm(x)
+
+  def logp(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
+           positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+           max_docs: int | None = None, temperature: float = 1.0,
+           return_entropy: bool = False):
+    """float32 ``log softmax(z / temperature)[targets]`` ``[B, T]`` (and the entropy)
+    through the fused head: the ``[B, T, V]`` logits never exist. ``mask`` False
+    positions give 0 (and zero gradient)."""
+    h = self(tokens, positions, segment_ids, max_docs=max_docs)
+    return self.head(h, targets, mask, temperature=temperature, return_entropy=return_entropy)
+
+  def logits(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None, max_docs: int | None = None,
+             temperature: float = 1.0) -> jax.Array:
+    """float32 logits ``[B, T, V]`` (for checks against references; training uses
+    :meth:`logp`)."""
+    h = self(tokens, positions, segment_ids, max_docs=max_docs)
+    return self.head.logits(h, temperature=temperature)
+
+  # ---------------------------------------------------------------------------- KV cache
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    """An empty cache of ``batch`` rows of up to ``max_len`` tokens (prompt + completion):
+    per layer ``[batch, max_len, Hkv, head_dim]`` keys and values in ``dtype``."""
+    cfg = self.config
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_hidden_layers))
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache
+              ) -> tuple[jax.Array, KVCache]:
+    """Right-padded prompts ``tokens [B, P]`` of ``lengths [B]`` (``1 <= lengths <= P``).
+
+    Writes the cache from position 0 (slots at or past ``lengths[b]`` hold the
+    pads' keys, never read: decode overwrites them and masks past ``lengths``).
+
+    Returns:
+      ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
+      prompt token and the cache with ``lengths``.
+    """
+    tokens = jnp.asarray(tokens)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    b, p = tokens.shape
+    if cache.keys[0].shape[0] != b or lengths.shape != (b,):
+      raise ValueError(f"DecoderLM.prefill: tokens {tokens.shape}, lengths {lengths.shape} "
+                       f"and the cache's batch {cache.keys[0].shape[0]} must agree on B={b}")
+    if p > cache.max_len:
+      raise ValueError(f"DecoderLM.prefill: prompts of {p} tokens do not fit a cache of "
+                       f"max_len={cache.max_len}")
+    if not _is_traced(lengths):
+      ls = np.asarray(lengths)
+      if not np.all((ls >= 1) & (ls <= p)):
+        raise ValueError(f"DecoderLM.prefill: lengths must lie in [1, {p}], got {ls.tolist()}")
+    x = self.embed_tokens(tokens)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    keys, values = [], []
+    for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
+      x, k, v = layer(x, positions, None)
+      keys.append(lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
+      values.append(lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
+    h = self.norm(x)[jnp.arange(b), lengths - 1]
+    return h, KVCache(tuple(keys), tuple(values), lengths)
+
+  def decode_step(self, token: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Appends ``token [B]`` at position ``cache.lengths[b]`` of each row.
+
+    Returns ``(hidden [B, H], cache)`` with ``lengths + 1``; a row whose cache is
+    full writes nothing, keeps its length and gets a NaN hidden state.
+    """
+    token = jnp.asarray(token)
+    b = cache.lengths.shape[0]
+    if token.shape != (b,):
+      raise ValueError(f"DecoderLM.decode_step: token must have shape ({b},), got "
+                       f"{token.shape}")
+    lengths = cache.lengths
+    x = self.embed_tokens(token[:, None])
+    keys, values = [], []
+    for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
+      x, ck, cv = layer.decode(x, ck, cv, lengths)
+      keys.append(ck)
+      values.append(cv)
+    h = self.norm(x)[:, 0]
+    full = lengths >= cache.max_len
+    h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
+    return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))
+
+
+def num_params(model: DecoderLM) -> int:
+  """The number of parameters (a tied embedding counted once)."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

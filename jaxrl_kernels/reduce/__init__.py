@@ -1,0 +1,8 @@
+"""Fixed-order reductions: sums and cumulative sums whose bits do not depend on the batch."""
+
+from jaxrl_kernels.reduce.api import REDUCE_LANES as REDUCE_LANES
+from jaxrl_kernels.reduce.api import det_cumlogsumexp as det_cumlogsumexp
+from jaxrl_kernels.reduce.api import det_cumprod as det_cumprod
+from jaxrl_kernels.reduce.api import det_cumsum as det_cumsum
+from jaxrl_kernels.reduce.api import det_prod as det_prod
+from jaxrl_kernels.reduce.api import det_sum as det_sum

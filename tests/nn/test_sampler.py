@@ -1,0 +1,124 @@
+"""The sampler's options (top-k, top-p, stop ids) and their determinism; the sampled
+tokens' log-probs stay bitwise the trainer's with every option."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_bitwise_equal
+
+from jaxrl_kernels.nn.sampler import draw, fixed_order_cumsum, sample, score
+from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
+
+_draw_jit = jax.jit(draw, static_argnames=("top_k", "top_p"))
+
+
+def _draws(logits, n, **kw):
+  """``n`` draws for one row of logits (one row per key, the same logits)."""
+  z = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
+  return np.asarray(_draw_jit(jax.random.key(0), z, **kw))
+
+
+def test_fixed_order_cumsum_rows_and_values():
+  rng = np.random.default_rng(0)
+  x = (rng.random((9, 300)) * np.exp2(rng.integers(-12, 12, (9, 300)))).astype(np.float32)
+  full = np.asarray(jax.jit(fixed_order_cumsum)(x))
+  np.testing.assert_allclose(full, np.cumsum(x.astype(np.float64), -1), rtol=1e-5)
+  for r in (0, 4, 8):  # a row's bits do not depend on the rows around it
+    assert_bitwise_equal(np.asarray(jax.jit(fixed_order_cumsum)(x[r:r + 1]))[0], full[r],
+                         f"row {r}")
+
+
+def test_top_k_support():
+  logits = np.array([0.1, 3.0, -1.0, 2.5, 2.9, 0.0, 2.9], np.float32)
+  got = _draws(logits, 4000, top_k=3, top_p=None)
+  assert set(got.tolist()) == {1, 4, 6}  # the 3 largest (ties at 2.9 both in)
+  assert set(_draws(logits, 500, top_k=1, top_p=None).tolist()) == {1}  # greedy
+  # Without truncation every token appears.
+  assert set(_draws(logits, 4000, top_k=None, top_p=None).tolist()) == set(range(7))
+
+
+def test_top_p_nucleus():
+  probs = np.array([0.05, 0.5, 0.15, 0.3], np.float64)
+  logits = np.log(probs).astype(np.float32)
+  # Sorted: 0.5, 0.3, 0.15, 0.05; mass before each: 0, 0.5, 0.8, 0.95.
+  got = _draws(logits, 6000, top_k=None, top_p=0.7)
+  assert set(got.tolist()) == {1, 3}
+  frac = np.mean(got == 1)
+  assert abs(frac - 0.5 / 0.8) < 0.03  # renormalised over the nucleus
+  assert set(_draws(logits, 6000, top_k=None, top_p=0.85).tolist()) == {1, 2, 3}
+  assert set(_draws(logits, 500, top_k=None, top_p=0.2).tolist()) == {1}  # first always kept
+  # top-k first, then top-p renormalised over the k: {0.5, 0.3} -> 0.625, 0.375.
+  assert set(_draws(logits, 3000, top_k=2, top_p=0.6).tolist()) == {1}
+  assert set(_draws(logits, 3000, top_k=2, top_p=0.65).tolist()) == {1, 3}
+
+
+def test_draw_deterministic_given_key():
+  z = jax.random.normal(jax.random.key(1), (6, 50))
+  for kw in (dict(top_k=None, top_p=None), dict(top_k=7, top_p=None),
+             dict(top_k=None, top_p=0.9), dict(top_k=10, top_p=0.5)):
+    a = _draw_jit(jax.random.key(5), z, **kw)
+    b = _draw_jit(jax.random.key(5), z, **kw)
+    assert_bitwise_equal(np.asarray(b), np.asarray(a), str(kw))
+
+
+# ------------------------------------------------------------------- on a model
+
+
+@pytest.fixture(scope="module")
+def lm():
+  return TinyCausalLM(TinyLMConfig.preset("test"), rngs=nnx.Rngs(0))
+
+
+PROMPTS = np.random.default_rng(2).integers(0, 64, (4, 6)).astype(np.int32)
+LENS = np.array([6, 2, 4, 1], np.int32)
+
+
+def test_truncated_sampling_logp_equals_score_bitwise(lm):
+  res = sample(lm, PROMPTS, LENS, max_new_tokens=7, key=jax.random.key(4), temperature=0.9,
+               top_k=8, top_p=0.85, stop_ids=(3, 11))
+  tok, m, lp = (np.asarray(x) for x in (res.tokens, res.completion_mask, res.logp))
+  assert np.all(lp[m] < 0) and np.all(lp[~m] == 0)
+  for b, n in enumerate(LENS):  # a row ends at its first stop id or after 7 tokens
+    comp = tok[b, n:n + m[b].sum()]
+    assert np.isin(comp, (3, 11)).sum() <= 1 and (m[b].sum() == 7 or comp[-1] in (3, 11))
+    assert not tok[b, n + m[b].sum():].any()
+  for kw in (dict(), dict(batch_size=3, pack=True)):
+    got = score(lm, res.tokens, res.completion_mask, temperature=0.9, **kw)
+    assert_bitwise_equal(got, lp, f"score({kw}) vs sampler")
+
+
+def test_greedy_and_early_stop(lm):
+  a = sample(lm, PROMPTS, LENS, max_new_tokens=5, key=jax.random.key(0), top_k=1)
+  b = sample(lm, PROMPTS, LENS, max_new_tokens=5, key=jax.random.key(9), top_k=1)
+  assert_bitwise_equal(np.asarray(b.tokens), np.asarray(a.tokens), "greedy ignores the key")
+  # Greedy = the argmax of the head's logits at the sampled position.
+  tok = np.asarray(a.tokens)
+  h = nnx.jit(lambda m, t: m.head.logits(m(t)))(lm, jnp.asarray(tok))
+  for r, n in enumerate(LENS):
+    np.testing.assert_array_equal(np.argmax(np.asarray(h)[r, n - 1:n + 4], -1), tok[r, n:n + 5])
+  # Every row's first greedy token is a stop id: one token each, and the loop ends early.
+  first = sorted({int(tok[r, n]) for r, n in enumerate(LENS)})
+  stop = sample(lm, PROMPTS, LENS, max_new_tokens=5, key=jax.random.key(0), top_k=1,
+                stop_ids=first)
+  np.testing.assert_array_equal(np.asarray(stop.completion_mask).sum(1), 1)
+  np.testing.assert_array_equal(np.asarray(stop.lengths), LENS + 1)
+  np.testing.assert_array_equal(np.asarray(stop.logp)[np.asarray(stop.completion_mask)],
+                                np.asarray(a.logp)[np.arange(4), LENS])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(top_k=0), "top_k must be None or an int in \\[1, 64\\]"),
+    (dict(top_k=65), "top_k must be None or an int in \\[1, 64\\]"),
+    (dict(top_k=True), "top_k"),
+    (dict(top_p=0.0), "top_p must be None or a float in \\(0, 1\\]"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(stop_ids=(64,)), "stop_ids must hold ints in \\[0, 64\\)"),
+    (dict(stop_ids=(1.0,)), "stop_ids"),
+    (dict(eos_id=-1), "eos_id must hold ints"),
+    (dict(temperature=True), "temperature"),
+])
+def test_bad_options(lm, kw, match):
+  with pytest.raises(ValueError, match=match):
+    sample(lm, PROMPTS, LENS, max_new_tokens=2, key=jax.random.key(0), **kw)
