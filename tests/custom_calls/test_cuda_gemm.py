@@ -62,6 +62,9 @@ def _nvcc_or_skip() -> str:
     pytest.skip(f"nvcc is not installed here: {e}")
 
 
+# About 4 minutes of nvcc on a 2-core machine: kept out of CI's default run (`-m "not slow"`);
+# the GPU run builds the same library before its tests.
+@pytest.mark.slow
 def test_library_compiles_and_exports_the_handler(tmp_path):
   """The real build (same command as first use) on this machine; no GPU needed."""
   _nvcc_or_skip()
