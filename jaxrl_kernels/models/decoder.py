@@ -45,7 +45,7 @@ from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.models.config import DecoderConfig
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
-from jaxrl_kernels.nn.tiny_lm import Documents, KVCache, documents
+from jaxrl_kernels.nn.tiny_lm import Documents, KVCache, check_prefill, documents
 
 _INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -398,19 +398,8 @@ class DecoderLM(nnx.Module):
       ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
       prompt token and the cache with ``lengths``.
     """
-    tokens = jnp.asarray(tokens)
-    lengths = jnp.asarray(lengths, jnp.int32)
+    tokens, lengths = check_prefill("DecoderLM.prefill", tokens, lengths, cache)
     b, p = tokens.shape
-    if cache.keys[0].shape[0] != b or lengths.shape != (b,):
-      raise ValueError(f"DecoderLM.prefill: tokens {tokens.shape}, lengths {lengths.shape} "
-                       f"and the cache's batch {cache.keys[0].shape[0]} must agree on B={b}")
-    if p > cache.max_len:
-      raise ValueError(f"DecoderLM.prefill: prompts of {p} tokens do not fit a cache of "
-                       f"max_len={cache.max_len}")
-    if not _is_traced(lengths):
-      ls = np.asarray(lengths)
-      if not np.all((ls >= 1) & (ls <= p)):
-        raise ValueError(f"DecoderLM.prefill: lengths must lie in [1, {p}], got {ls.tolist()}")
     x = self.embed_tokens(tokens)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []

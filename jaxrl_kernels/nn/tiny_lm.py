@@ -292,6 +292,24 @@ def _is_traced(*xs) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+def check_prefill(op: str, tokens, lengths, cache: KVCache) -> tuple[jax.Array, jax.Array]:
+  """``(tokens [B, P], lengths [B] int32)`` of a KV-cache prefill, checked against the cache:
+  one batch size, prompts that fit ``max_len``, and (when concrete) lengths in ``[1, P]``."""
+  tokens = jnp.asarray(tokens)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  b, p = tokens.shape
+  if cache.keys[0].shape[0] != b or lengths.shape != (b,):
+    raise ValueError(f"{op}: tokens {tokens.shape}, lengths {lengths.shape} and the cache's "
+                     f"batch {cache.keys[0].shape[0]} must agree on B={b}")
+  if p > cache.max_len:
+    raise ValueError(f"{op}: prompts of {p} tokens do not fit a cache of max_len={cache.max_len}")
+  if not _is_traced(lengths):
+    ls = np.asarray(lengths)
+    if not np.all((ls >= 1) & (ls <= p)):
+      raise ValueError(f"{op}: lengths must lie in [1, {p}], got {ls.tolist()}")
+  return tokens, lengths
+
+
 class TinyCausalLM(nnx.Module):
   """A small decoder whose per-token hidden states and log-probs are batch-invariant.
 
@@ -401,19 +419,8 @@ class TinyCausalLM(nnx.Module):
       ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
       prompt token (position ``lengths[b] - 1``) and the cache with ``lengths``.
     """
-    tokens = jnp.asarray(tokens)
-    lengths = jnp.asarray(lengths, jnp.int32)
+    tokens, lengths = check_prefill("TinyCausalLM.prefill", tokens, lengths, cache)
     b, p = tokens.shape
-    if cache.keys[0].shape[0] != b or lengths.shape != (b,):
-      raise ValueError(f"TinyCausalLM.prefill: tokens {tokens.shape}, lengths {lengths.shape} "
-                       f"and the cache's batch {cache.keys[0].shape[0]} must agree on B={b}")
-    if p > cache.max_len:
-      raise ValueError(f"TinyCausalLM.prefill: prompts of {p} tokens do not fit a cache of "
-                       f"max_len={cache.max_len}")
-    if not _is_traced(lengths) and not np.all((np.asarray(lengths) >= 1)
-                                              & (np.asarray(lengths) <= p)):
-      raise ValueError(f"TinyCausalLM.prefill: lengths must lie in [1, {p}], got "
-                       f"{np.asarray(lengths).tolist()}")
     x = self.embed(tokens)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []
