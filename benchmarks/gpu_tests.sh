@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU test run in one call: builds the CUDA FFI library while the Pallas tests run,
-# then the CUDA tests. Logs go to ${OUT:-/tmp/gpu_tests}. Usage (repository root, GPU machine):
+# The GPU test run in one call: builds the CUDA FFI library (needs nvcc and the CUTLASS
+# headers of the nvidia-cutlass package) while the Pallas tests run, then the CUDA tests.
+# Needs pytest-xdist and pytest-timeout. Logs go to ${OUT:-/tmp/gpu_tests}. Usage
+# (repository root, GPU machine):
 #   bash benchmarks/gpu_tests.sh [seconds for the Pallas tests, default 420]
 set -uo pipefail
 out=${OUT:-/tmp/gpu_tests}
@@ -12,8 +14,8 @@ python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | 
 (python3 -m jaxrl_kernels.custom_calls.build >"$out/build.log" 2>&1; echo "build rc=$?" >>"$out/build.log") &
 build=$!
 # Compiles dominate: several workers share the GPU (memory is not preallocated).
-timeout "$budget" python3 -m pytest -m gpu -q -n 6 -p no:cacheprovider --ignore=tests/custom_calls \
-  tests 2>&1 | tee "$out/pytest_gpu.log" | tail -40
+timeout "$budget" python3 -m pytest -m gpu -v -n 8 -p no:cacheprovider -p no:benchmark --timeout 240 \
+  -rfE --ignore=tests/custom_calls tests 2>&1 | tee "$out/pytest_gpu.log" | tail -40
 wait "$build"
 tail -2 "$out/build.log"
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/custom_calls 2>&1 \
