@@ -60,6 +60,23 @@ def parse_overrides(items: list[str]) -> list[tuple[str, int]]:
   return out
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+  """The model-choice flags shared with train_step.py."""
+  ap.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(models.PRESETS))
+  ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+  ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                  help="override a config field, e.g. --set vocab_size=512 (smoke runs)")
+  ap.add_argument("--dtype", default="bfloat16")
+
+
+def preset_model(args, **kw) -> DecoderLM:
+  """The preset of ``args`` with random weights, ``--layers`` and ``--set`` applied."""
+  over = dict(parse_overrides(args.set))
+  if args.layers is not None:
+    over["num_hidden_layers"] = args.layers
+  return models.preset(args.preset, jax.random.key(0), args.dtype, **kw, **over)
+
+
 def _timed(fn, repeats: int) -> float:
   """Seconds per call, pipelined (enqueue ``repeats`` calls, block once)."""
   jax.block_until_ready(fn())  # compile + warm up
@@ -91,11 +108,7 @@ def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(models.PRESETS))
-  ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
-  ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
-                  help="override a config field, e.g. --set vocab_size=512 (smoke runs)")
-  ap.add_argument("--dtype", default="bfloat16")
+  add_model_args(ap)
   ap.add_argument("--prompts", type=int, default=64)
   ap.add_argument("--prompt-len", type=int, default=512)
   ap.add_argument("--new-tokens", type=int, default=1024)
@@ -105,10 +118,7 @@ def main(argv=None) -> int:
   ap.add_argument("--only", choices=("kernels", "stock"), default=None)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  over = dict(parse_overrides(args.set))
-  if args.layers is not None:
-    over["num_hidden_layers"] = args.layers
-  model = models.preset(args.preset, jax.random.key(0), args.dtype, **over)
+  model = preset_model(args)
   cfg = model.config
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)

@@ -33,11 +33,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_kernels import models
 from jaxrl_kernels.models.decoder import DecoderLM
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from rollout import parse_overrides, with_implementation  # noqa: E402
+from rollout import add_model_args, preset_model, with_implementation  # noqa: E402
 
 
 def packed_batch(n_tokens: int, row_len: int, vocab: int, seed: int = 0) -> dict:
@@ -115,11 +114,7 @@ def run(model: DecoderLM, batch: dict, *, repeats: int) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(models.PRESETS))
-  ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
-  ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
-                  help="override a config field, e.g. --set vocab_size=512 (smoke runs)")
-  ap.add_argument("--dtype", default="bfloat16")
+  add_model_args(ap)
   ap.add_argument("--tokens", type=int, default=16384)
   ap.add_argument("--row-len", type=int, default=4096)
   ap.add_argument("--repeats", type=int, default=5)
@@ -127,10 +122,7 @@ def main(argv=None) -> int:
   ap.add_argument("--only", choices=("kernels", "stock"), default=None)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  over = dict(parse_overrides(args.set))
-  if args.layers is not None:
-    over["num_hidden_layers"] = args.layers
-  model = models.preset(args.preset, jax.random.key(0), args.dtype, remat=args.remat, **over)
+  model = preset_model(args, remat=args.remat)
   cfg = model.config
   paths = {"jaxrl_kernels": None, "stock (xla)": "xla"}
   if args.only:
