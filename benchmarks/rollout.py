@@ -26,16 +26,25 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
-import jax
-import numpy as np
-from flax import nnx
+from jaxrl_kernels._backend import no_fma_xla_flags
 
-from jaxrl_kernels import models
-from jaxrl_kernels.models.decoder import DecoderLM
-from jaxrl_kernels.nn.sampler import sample, score
+# Before JAX starts its backends: on the CPU, XLA contracts ``a * b + c`` into one FMA
+# where its fusion puts the two together, which differs between the decode step and the
+# trainer's forward for the model's element-wise maths (rotary, RMSNorm); the test suite
+# and ``python -m jaxrl_kernels`` run without it too. No effect on GPU code.
+os.environ["XLA_FLAGS"] = no_fma_xla_flags()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxrl_kernels import models  # noqa: E402
+from jaxrl_kernels.models.decoder import DecoderLM  # noqa: E402
+from jaxrl_kernels.nn.sampler import sample, score  # noqa: E402
 
 
 def with_implementation(model: DecoderLM, implementation: str | None) -> DecoderLM:
