@@ -19,8 +19,8 @@ from jax.experimental.pallas import triton as pltriton
 # exp(x) == exp2(x * LOG2E): kernels fold LOG2E into the softmax scale.
 LOG2E = math.log2(math.e)
 
-# Shared memory per CTA on Hopper (227 KiB); each kernel keeps its own margin
-# for barriers below it.
+# Shared memory per CTA on Hopper (227 KiB); mosaic_loop.SMEM_BUDGET keeps a
+# margin for barriers below it.
 HOPPER_SMEM_BYTES = 232448
 # SMs of an H100 SXM: the persistent grid size when the device does not report
 # its core count (tracing on a CPU host).

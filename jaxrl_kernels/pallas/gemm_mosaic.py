@@ -1,11 +1,14 @@
 """Deterministic, batch-invariant GEMM for Hopper in Pallas Mosaic GPU.
 
-TMA loads into swizzled shared memory, wgmma with float32 accumulators in
-registers, a warp-specialized pipeline (one memory warpgroup issuing TMA, one
-or two compute warpgroups issuing wgmma) and a persistent grid (one CTA per SM
-walking output tiles). Each output tile walks K in ``TILE_K`` steps in
-ascending order: no split-K, no stream-K. TMA zero-fills loads past the edge
-of M, N or K and clips stores, so operands are read in place, never padded.
+The main loop is :mod:`mosaic_loop`'s: TMA loads into swizzled shared memory,
+wgmma with float32 accumulators in registers, a warp-specialized pipeline (one
+memory warpgroup issuing TMA, one or two compute warpgroups issuing wgmma) and
+a persistent grid (one CTA per SM walking output tiles). Each output tile
+walks K in ``TILE_K`` steps in ascending order: no split-K, no stream-K. TMA
+zero-fills loads past the edge of M, N or K and clips stores, so operands are
+read in place, never padded. This file adds the store epilogue: each finished
+accumulator leaves in ``epi_tile_m x epi_tile_n`` pieces through shared
+memory, optionally through an elementwise ``epilogue`` and adding ``c``.
 
 What may vary per shape (free knobs): the M and N tile, the number of compute
 warpgroups, pipeline depth and the CTA walk order. They do not change any
@@ -24,20 +27,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxrl_kernels.contract import GEMM_TILE_K
-from jaxrl_kernels.pallas._common import (
-  HOPPER_SMEM_BYTES,
-  cdiv,
-  mosaic_warpgroup_params,
-  num_sms,
-  round_up,
-  smem_transforms,
-)
+from jaxrl_kernels.pallas import mosaic_loop
+from jaxrl_kernels.pallas._common import mosaic_warpgroup_params, round_up, smem_transforms
 
-# The contract's K tile (128 bytes of bf16/fp16, one 128B swizzle row). Each
-# wgmma step consumes it as 4 k16 instructions in ascending order. Never
+# The contract's K tile (contract.GEMM_TILE_K), walked by mosaic_loop. Never
 # derived from the shape.
-TILE_K = GEMM_TILE_K
+TILE_K = mosaic_loop.TILE_K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +50,20 @@ class MosaicConfig:
   grid_tile_width: int = 1
 
   @property
+  def loop(self) -> mosaic_loop.LoopConfig:
+    """The main loop's part of this config."""
+    return mosaic_loop.LoopConfig(
+        tile_m=self.tile_m, tile_n=self.tile_n, num_compute_wgs=self.num_compute_wgs,
+        wg_split=self.wg_split, max_concurrent_steps=self.max_concurrent_steps,
+        grid_minor=self.grid_minor, grid_tile_width=self.grid_tile_width)
+
+  @property
   def cta_tile_m(self) -> int:
-    return self.tile_m * (self.num_compute_wgs if self.wg_split == "m" else 1)
+    return self.loop.cta_tile_m
 
   @property
   def cta_tile_n(self) -> int:
-    return self.tile_n * (self.num_compute_wgs if self.wg_split == "n" else 1)
+    return self.loop.cta_tile_n
 
 
 def default_config(m: int, n: int, k: int) -> MosaicConfig:
@@ -87,10 +90,6 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
                       max_concurrent_steps=3, grid_minor="m", grid_tile_width=8)
 
 
-def _transpose(ref):
-  return ref.transpose((1, 0))
-
-
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
             rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
             n_col_ops: int = 0, epilogue=None):
@@ -104,153 +103,56 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
     out_gmem = c_gmem
   else:
     c_gmem, out_gmem = refs if len(refs) == 2 else (None, refs[0])
-  dtype = a_gmem.dtype
   out_dtype = out_gmem.dtype
-  itemsize = jnp.dtype(dtype).itemsize
-
-  cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
-  m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, TILE_K)
-
-  if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
-    a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
-                             transforms=smem_transforms(cta_m, itemsize))
-  else:  # [M, K]: smem tile [cta_m, TILE_K]
-    a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
-                             transforms=smem_transforms(TILE_K, itemsize))
-  if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
-    b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
-                             transforms=smem_transforms(TILE_K, itemsize))
-  else:  # [K, N]: smem tile [TILE_K, cta_n]
-    b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
-                             transforms=smem_transforms(cta_n, itemsize))
 
   epi_m, epi_n = min(cfg.epi_tile_m, cfg.tile_m), min(cfg.epi_tile_n, cfg.tile_n)
   num_out_slots = min(2, (cfg.tile_m * cfg.tile_n) // (epi_m * epi_n))
-  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
-  out_transforms = (
-      plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
-      plgpu.SwizzleTransform(out_swizzle),
-  )
-
-  def make_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(k_iters,),
-        memory_registers=40,
-        in_specs=[a_spec, b_spec],
-        wg_axis="wg",
-        num_compute_wgs=cfg.num_compute_wgs,
-        max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute_context,
-    )
-
-  ignore = lambda *_, **__: None
-
-  scoped = dict(
-      allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-      out_smem=plgpu.SMEM((cfg.num_compute_wgs, num_out_slots, epi_m, epi_n), out_dtype,
-                          transforms=out_transforms),
-  )
+  scratch = dict(out_smem=plgpu.SMEM(
+      (cfg.num_compute_wgs, num_out_slots, epi_m, epi_n), out_dtype,
+      transforms=smem_transforms(epi_n, jnp.dtype(out_dtype).itemsize)))
   if c_gmem is not None:
-    scoped["c_barriers"] = plgpu.Barrier(num_barriers=cfg.num_compute_wgs)
-  if row_ops or col_ops:
-    scoped["vec_smem"] = (
-        tuple(plgpu.SMEM((cfg.num_compute_wgs, cfg.tile_m), r.dtype) for r in row_ops),
-        tuple(plgpu.SMEM((cfg.num_compute_wgs, cfg.tile_n), c.dtype) for c in col_ops))
-    scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=n_row_ops + n_col_ops,
-                                           num_barriers=cfg.num_compute_wgs)
+    scratch["c_barriers"] = plgpu.Barrier(num_barriers=cfg.num_compute_wgs)
 
-  @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-  def _scope(allocs, out_smem, c_barriers=None, vec_smem=None, vec_barriers=None):
-    wg = lax.axis_index("wg")
-    minor = 0 if cfg.grid_minor == "m" else 1
+  def store(acc, tile: mosaic_loop.Tile, vec_smem, bufs):
+    """Stores the finished tile in ``epi_m x epi_n`` pieces (up to two staging
+    slots per warpgroup), each through ``epilogue`` and adding ``c``."""
+    wg = tile.wg
+    out_smem, c_barriers = bufs["out_smem"], bufs.get("c_barriers")
+    row_smem, col_smem = vec_smem[:n_row_ops], vec_smem[n_row_ops:]
+    if c_gmem is None and epilogue is None:
+      acc = acc.astype(out_dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    n_epi = cfg.tile_n // epi_n
+    for em in range(cfg.tile_m // epi_m):
+      for en in range(n_epi):
+        slot = (em * n_epi + en) % num_out_slots
+        window = lambda ref, em=em, en=en: (  # noqa: E731
+            tile.window(ref).at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)])
+        part = acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n]
+        plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
+        if epilogue is not None:
+          shape = (epi_m, epi_n)
+          rows = tuple(lax.broadcast_in_dim(r[wg, pl.ds(em * epi_m, epi_m)], shape, [0])
+                       for r in row_smem)
+          cols = tuple(lax.broadcast_in_dim(c[wg, pl.ds(en * epi_n, epi_n)], shape, [1])
+                       for c in col_smem)
+          col_ids = tile.col0 + en * epi_n + lax.broadcasted_iota(jnp.int32, shape, 1)
+          part = epilogue(part, rows, cols, col_ids).astype(out_dtype)
+        if c_gmem is not None:
+          # out = c + (a @ b): one float32 add per element after the
+          # complete K reduction (the bits of ``c + matmul(a, b)``).
+          plgpu.copy_gmem_to_smem(window(c_gmem), out_smem.at[wg, slot], c_barriers.at[wg])
+          plgpu.barrier_wait(c_barriers.at[wg])
+          part = out_smem[wg, slot] + part
+        out_smem[wg, slot] = part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], window(out_gmem))
 
-    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-    def _tile_loop(info):
-      (lin,) = info.index
-      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
-      cta_m_slice = pl.ds(mi * cta_m, cta_m)
-      cta_n_slice = pl.ds(ni * cta_n, cta_n)
-      if cfg.wg_split == "m":
-        wg_m, wg_n = pl.ds(wg * cfg.tile_m, cfg.tile_m), slice(None)
-      else:
-        wg_m, wg_n = slice(None), pl.ds(wg * cfg.tile_n, cfg.tile_n)
-
-      def compute_context(run_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n),
-                                                            jnp.float32))
-        def _acc_scope(acc_ref):
-          # This warpgroup's rows and columns of the output.
-          row0 = mi * cta_m + (wg * cfg.tile_m if cfg.wg_split == "m" else 0)
-          col0 = ni * cta_n + (wg * cfg.tile_n if cfg.wg_split == "n" else 0)
-          if vec_smem is not None:
-            # Per-row / per-column epilogue operands, fetched during the mainloop.
-            for src, dst in zip(row_ops, vec_smem[0]):
-              plgpu.copy_gmem_to_smem(src.at[pl.ds(row0, cfg.tile_m)], dst.at[wg],
-                                      vec_barriers.at[wg])
-            for src, dst in zip(col_ops, vec_smem[1]):
-              plgpu.copy_gmem_to_smem(src.at[pl.ds(col0, cfg.tile_n)], dst.at[wg],
-                                      vec_barriers.at[wg])
-          run_pipeline(acc_ref)
-          acc = acc_ref[...]
-          if vec_smem is not None:
-            plgpu.barrier_wait(vec_barriers.at[wg])
-          if c_gmem is None and epilogue is None:
-            acc = acc.astype(out_dtype)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          n_epi = cfg.tile_n // epi_n
-          for em in range(cfg.tile_m // epi_m):
-            for en in range(n_epi):
-              slot = (em * n_epi + en) % num_out_slots
-              window = lambda ref, em=em, en=en: (  # noqa: E731
-                  ref.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n]
-                  .at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)])
-              part = acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n]
-              plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)
-              if epilogue is not None:
-                shape = (epi_m, epi_n)
-                rows = tuple(
-                    lax.broadcast_in_dim(r[wg, pl.ds(em * epi_m, epi_m)], shape, [0])
-                    for r in vec_smem[0]) if vec_smem is not None else ()
-                cols = tuple(
-                    lax.broadcast_in_dim(c[wg, pl.ds(en * epi_n, epi_n)], shape, [1])
-                    for c in vec_smem[1]) if vec_smem is not None else ()
-                col_ids = col0 + en * epi_n + lax.broadcasted_iota(jnp.int32, shape, 1)
-                part = epilogue(part, rows, cols, col_ids).astype(out_dtype)
-              if c_gmem is not None:
-                # out = c + (a @ b): one float32 add per element after the
-                # complete K reduction (the bits of ``c + matmul(a, b)``).
-                plgpu.copy_gmem_to_smem(window(c_gmem), out_smem.at[wg, slot],
-                                        c_barriers.at[wg])
-                plgpu.barrier_wait(c_barriers.at[wg])
-                part = out_smem[wg, slot] + part
-              out_smem[wg, slot] = part
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], window(out_gmem))
-
-      def mma(idxs, a_smem, b_smem, acc_ref):
-        del idxs
-        if lhs_transposed:
-          a_op = _transpose(a_smem.at[:, wg_m])
-        else:
-          a_op = a_smem.at[wg_m, :]
-        if rhs_transposed:
-          b_op = _transpose(b_smem.at[wg_n, :])
-        else:
-          b_op = b_smem.at[:, wg_n]
-        plgpu.wgmma(acc_ref, a_op, b_op)
-        plgpu.wgmma_wait(0)
-        return acc_ref
-
-      a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
-      b_view = b_gmem.at[cta_n_slice, :] if rhs_transposed else b_gmem.at[:, cta_n_slice]
-      make_pipeline(mma, compute_context)(a_view, b_view, allocations=allocs)
-
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-# Shared memory per CTA, less a margin for barriers.
-_SMEM_BYTES = HOPPER_SMEM_BYTES - 1024
+  operands = (*((r, mosaic_loop.ROW) for r in row_ops),
+              *((c, mosaic_loop.COL) for c in col_ops))
+  mosaic_loop.persistent_matmul(
+      a_gmem, b_gmem, m=m, n=n, k=k, cfg=cfg.loop, lhs_transposed=lhs_transposed,
+      rhs_transposed=rhs_transposed, epilogue=store, operands=operands, scratch=scratch)
 
 
 def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int) -> MosaicConfig:
@@ -258,10 +160,7 @@ def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int) -> MosaicConf
   epi = min(cfg.epi_tile_m, cfg.tile_m) * min(cfg.epi_tile_n, cfg.tile_n)
   slots = min(2, (cfg.tile_m * cfg.tile_n) // epi)
   out_bytes = cfg.num_compute_wgs * slots * epi * out_itemsize
-  stage = (cfg.cta_tile_m + cfg.cta_tile_n) * TILE_K * itemsize
-  steps = cfg.max_concurrent_steps
-  while steps > 2 and steps * stage + out_bytes > _SMEM_BYTES:
-    steps -= 1
+  steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, out_bytes)
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
@@ -336,7 +235,6 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
       if acc is not None:
         acc = jnp.pad(acc, ((0, m_run - m), (0, 0)))
       row_operands = tuple(jnp.pad(r, (0, m_run - m)) for r in row_operands)
-  grid_size = num_sms()
   for r in row_operands:
     if r.shape != (m_run,):
       raise ValueError(f"det_matmul(mosaic): row operands must be [{m}], got {r.shape}")
@@ -348,25 +246,17 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                              n_row_ops=len(row_operands), n_col_ops=len(col_operands),
                              epilogue=epilogue)
   vec = (*row_operands, *col_operands)
-  params = mosaic_warpgroup_params()
   if acc is not None and hasattr(jax, "new_ref"):
     # In place through a mutable ref (jax >= 0.11): the kernel's output aliases
     # ``acc``, so a running sum in a loop needs one [M, N] buffer, not two.
-    mesh = plgpu.Mesh(grid=(grid_size,), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
-                      thread_name="wg")
     acc_ref = jax.new_ref(acc)
-    pl.kernel(functools.partial(kernel, in_place=True), out_type=(), mesh=mesh,
-              compiler_params=params, name="det_matmul_acc")(lhs, rhs, *vec, acc_ref)
+    in_place = pl.kernel(functools.partial(kernel, in_place=True), out_type=(),
+                         mesh=mosaic_loop.mesh(cfg.loop), compiler_params=mosaic_warpgroup_params(),
+                         name="det_matmul_acc")
+    in_place(lhs, rhs, *vec, acc_ref)
     out = jax.freeze(acc_ref)
     return out[:m] if m_run != m else out
-  f = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
-      grid=(grid_size,),
-      grid_names=("sm",),
-      num_threads=cfg.num_compute_wgs + 1,
-      thread_name="wg",
-      compiler_params=params,
-  )
+  f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
+                         cfg=cfg.loop)
   out = f(lhs, rhs, *vec) if acc is None else f(lhs, rhs, *vec, acc)
   return out[:m] if m_run != m else out

@@ -1,13 +1,13 @@
 """Fused LM-head forward for Hopper in Pallas Mosaic GPU: wgmma logits, softmax-partials epilogue.
 
-The GEMM is ``gemm_mosaic``'s (persistent grid, one TMA memory warpgroup and
-two wgmma compute warpgroups, ``TILE_K = 64`` ascending over H); the store
-epilogue is replaced by the per-vocab-tile partials of
-:func:`linear_logp_fwd.tile_partials`. A CTA owns ``tile_m`` token rows and
-two vocab tiles (``2 * VOCAB_TILE`` columns); compute warpgroup ``g`` holds
-the float32 accumulator of vocab tile ``2 n + g`` (``[tile_m, VOCAB_TILE]``,
-wgmma register layout) and reduces it, ``EPI_ROWS`` rows at a time, with
-:func:`tile_epilogue`:
+The main loop is ``gemm_mosaic``'s (:func:`mosaic_loop.persistent_matmul`:
+persistent grid, one TMA memory warpgroup and two wgmma compute warpgroups,
+``TILE_K = 64`` ascending over H); its epilogue here computes the
+per-vocab-tile partials of :func:`linear_logp_fwd.tile_partials` instead of
+storing the tile. A CTA owns ``tile_m`` token rows and two vocab tiles (``2 *
+VOCAB_TILE`` columns); compute warpgroup ``g`` holds the float32 accumulator
+of vocab tile ``2 n + g`` (``[tile_m, VOCAB_TILE]``, wgmma register layout)
+and reduces it, ``EPI_ROWS`` rows at a time, with :func:`tile_epilogue`:
 
     z   = (acc + b) / temperature,  -inf on columns >= valid_vocab
     m   = max_v z_v,  s = sum_v exp(z_v - m),  u = sum_v exp(z_v - m) (z_v - m)
@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import contract
-from jaxrl_kernels.pallas import _common
+from jaxrl_kernels.pallas import _common, mosaic_loop
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 TILE_K = contract.GEMM_TILE_K
@@ -60,8 +60,6 @@ VOCAB_TILE = contract.VOCAB_TILE
 EPI_ROWS = contract.EPI_ROWS
 _NUM_WGS = 2  # compute warpgroups: one vocab tile each
 _CTA_N = _NUM_WGS * VOCAB_TILE
-# Shared memory per CTA on Hopper, less a margin for barriers.
-_SMEM_BYTES = _common.HOPPER_SMEM_BYTES - 2048
 # Row statistics leave the kernels as [EPI_ROWS, PACK] float32 arrays in the wgmma layout
 # (a 2-D store; storing the [EPI_ROWS] row vectors to shared memory directly gave wrong
 # rows on jax 0.11.2): columns 4 c .. 4 c + 3 hold (m, s, u, tz) of the c-th 64-row chunk
@@ -84,6 +82,14 @@ class MosaicLogpConfig:
   max_concurrent_steps: int = 4
   grid_minor: str = "m"
   grid_tile_width: int = 8
+
+  @property
+  def loop(self) -> mosaic_loop.LoopConfig:
+    """The main loop: ``_NUM_WGS`` compute warpgroups side by side in N, one vocab tile each."""
+    return mosaic_loop.LoopConfig(
+        tile_m=self.tile_m, tile_n=VOCAB_TILE, num_compute_wgs=_NUM_WGS, wg_split="n",
+        max_concurrent_steps=self.max_concurrent_steps, grid_minor=self.grid_minor,
+        grid_tile_width=self.grid_tile_width)
 
 
 def tile_epilogue(z, col_ids, tg, *, valid_vocab: int):
@@ -119,139 +125,82 @@ def _unpack(packed, n_tiles: int, t: int, tm: int):
 
 
 def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: bool,
-            store_logits: bool, stats: bool, valid_vocab: int, n_tiles: int,
-            cfg: MosaicLogpConfig):
+            store_logits: bool, stats: bool, valid_vocab: int, cfg: MosaicLogpConfig):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
   # The temperature arrives as a [VOCAB_TILE] row, fetched like the bias.
   t_gmem = refs.pop(0) if has_temp else None
   tg_gmem = refs.pop(0) if stats else None
   z_gmem = refs.pop(0) if store_logits else None
+  # Epilogue operands, fetched during the main loop: the rows' target ids, the
+  # tile's bias and the temperature row.
+  names, operands = [], []
+  for name, ref, kind in (("tg", tg_gmem, mosaic_loop.ROW), ("bias", b_gmem, mosaic_loop.COL),
+                          ("temp", t_gmem, mosaic_loop.WHOLE)):
+    if ref is not None:
+      names.append(name)
+      operands.append((ref, kind))
   outs = refs  # [packed statistics] when stats
-  itemsize = jnp.dtype(h_gmem.dtype).itemsize
   tm = cfg.tile_m
-  m_iters, n_iters, k_iters = pl.cdiv(m, tm), pl.cdiv(n, _CTA_N), pl.cdiv(k, TILE_K)
-  a_spec = plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk),
-                           transforms=_common.smem_transforms(TILE_K, itemsize))
-  if hv:  # W [H, V]: smem tile [TILE_K, cta_n]
-    b_spec = plgpu.BlockSpec((TILE_K, _CTA_N), lambda kk: (kk, 0),
-                             transforms=_common.smem_transforms(_CTA_N, itemsize))
-  else:  # W [V, H], read in place: smem tile [cta_n, TILE_K]
-    b_spec = plgpu.BlockSpec((_CTA_N, TILE_K), lambda kk: (0, kk),
-                             transforms=_common.smem_transforms(TILE_K, itemsize))
-
-  def make_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg",
-        num_compute_wgs=_NUM_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute_context)
-
-  ignore = lambda *_, **__: None  # noqa: E731
-  n_vec = int(has_bias) + int(has_temp) + int(stats)
-  scoped = dict(allocs=make_pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem))
+  scratch = {}
   if store_logits:
-    scoped["z_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
+    scratch["z_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
   if stats:
-    scoped["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, PACK), jnp.float32)
-    scoped["tg_smem"] = plgpu.SMEM((_NUM_WGS, tm), jnp.int32)
-  if has_bias:
-    scoped["b_smem"] = plgpu.SMEM((_NUM_WGS, VOCAB_TILE), jnp.float32)
-  if has_temp:
-    scoped["t_smem"] = plgpu.SMEM((_NUM_WGS, VOCAB_TILE), jnp.float32)
-  if n_vec:
-    scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=n_vec, num_barriers=_NUM_WGS)
+    scratch["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, PACK), jnp.float32)
 
-  @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-  def _scope(allocs, z_smem=None, out_smem=None, tg_smem=None, b_smem=None, t_smem=None,
-             vec_barriers=None):
-    wg = lax.axis_index("wg")
-    minor = 0 if cfg.grid_minor == "m" else 1
-
-    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-    def _tile_loop(info):
-      (lin,) = info.index
-      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
-      row0 = mi * tm
-      tile = ni * _NUM_WGS + wg  # this warpgroup's vocab tile
-      col0 = tile * VOCAB_TILE
-
-      def compute_context(run_pipeline):
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((tm, VOCAB_TILE), jnp.float32))
-        def _acc_scope(acc_ref):
-          # Epilogue operands, fetched during the mainloop.
-          if tg_smem is not None:
-            plgpu.copy_gmem_to_smem(tg_gmem.at[pl.ds(row0, tm)], tg_smem.at[wg],
-                                    vec_barriers.at[wg])
-          if b_smem is not None:
-            plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(col0, VOCAB_TILE)], b_smem.at[wg],
-                                    vec_barriers.at[wg])
-          if t_smem is not None:
-            plgpu.copy_gmem_to_smem(t_gmem, t_smem.at[wg], vec_barriers.at[wg])
-          run_pipeline(acc_ref)
-          acc = acc_ref[...]
-          if n_vec:
-            plgpu.barrier_wait(vec_barriers.at[wg])
-          shape = (EPI_ROWS, VOCAB_TILE)
-          col_ids = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
-          bias_row = None
-          if b_smem is not None:
-            bias_row = lax.broadcast_in_dim(b_smem[wg], shape, [1])
-          temp_row = None
-          if t_smem is not None:
-            temp_row = lax.broadcast_in_dim(t_smem[wg], shape, [1])
-          # The previous tile's stores must have read the staging buffer.
+  def partials(acc, tile: mosaic_loop.Tile, vec_smem, bufs):
+    """Reduces the warpgroup's [tm, VOCAB_TILE] logits tile to packed row statistics,
+    EPI_ROWS rows at a time, storing the logits on the way when asked."""
+    wg, row0, col0 = tile.wg, tile.row0, tile.col0
+    vecs = dict(zip(names, vec_smem))
+    z_smem, out_smem = bufs.get("z_smem"), bufs.get("out_smem")
+    shape = (EPI_ROWS, VOCAB_TILE)
+    col_ids = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    bias_row = None
+    if "bias" in vecs:
+      bias_row = lax.broadcast_in_dim(vecs["bias"][wg], shape, [1])
+    temp_row = None
+    if "temp" in vecs:
+      temp_row = lax.broadcast_in_dim(vecs["temp"][wg], shape, [1])
+    # The previous tile's stores must have read the staging buffer.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, PACK), 1)
+    packed = jnp.zeros((EPI_ROWS, PACK), jnp.float32)
+    for c in range(tm // EPI_ROWS):
+      rows = pl.ds(c * EPI_ROWS, EPI_ROWS)
+      z = sp.scale_logits(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temp_row)
+      if store_logits:
+        if c:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, PACK), 1)
-          packed = jnp.zeros((EPI_ROWS, PACK), jnp.float32)
-          for c in range(tm // EPI_ROWS):
-            rows = pl.ds(c * EPI_ROWS, EPI_ROWS)
-            z = sp.scale_logits(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temp_row)
-            if store_logits:
-              if c:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              z_smem[wg] = z
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  z_smem.at[wg],
-                  z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
-            if stats:
-              row_stats = tile_epilogue(z, col_ids, tg_smem[wg, rows], valid_vocab=valid_vocab)
-              packed = _pack(packed, pack_ids, row_stats, c)
-          if stats:
-            out_smem[wg] = packed
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                    outs[0].at[tile, pl.ds(mi * EPI_ROWS, EPI_ROWS), :])
+        z_smem[wg] = z
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            z_smem.at[wg],
+            z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
+      if stats:
+        row_stats = tile_epilogue(z, col_ids, vecs["tg"][wg, rows], valid_vocab=valid_vocab)
+        packed = _pack(packed, pack_ids, row_stats, c)
+    if stats:
+      out_smem[wg] = packed
+      plgpu.commit_smem()
+      vocab_tile = tile.ni * _NUM_WGS + wg
+      plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                              outs[0].at[vocab_tile, pl.ds(tile.mi * EPI_ROWS, EPI_ROWS), :])
 
-      def mma(idxs, a_smem, b_smem, acc_ref):
-        del idxs
-        wg_n = pl.ds(wg * VOCAB_TILE, VOCAB_TILE)
-        b_op = b_smem.at[:, wg_n] if hv else b_smem.at[wg_n, :].transpose((1, 0))
-        plgpu.wgmma(acc_ref, a_smem, b_op)
-        plgpu.wgmma_wait(0)
-        return acc_ref
-
-      a_view = h_gmem.at[pl.ds(row0, tm), :]
-      cols = pl.ds(ni * _CTA_N, _CTA_N)
-      b_view = w_gmem.at[:, cols] if hv else w_gmem.at[cols, :]
-      make_pipeline(mma, compute_context)(a_view, b_view, allocations=allocs)
-
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  mosaic_loop.persistent_matmul(
+      h_gmem, w_gmem, m=m, n=n, k=k, cfg=cfg.loop, lhs_transposed=False, rhs_transposed=not hv,
+      epilogue=partials, operands=operands, scratch=scratch)
 
 
 def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
          stats: bool) -> MosaicLogpConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
-  stage = (cfg.tile_m + _CTA_N) * TILE_K * itemsize
   extra = 2 * _NUM_WGS * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
     extra += _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
   if stats:
     extra += _NUM_WGS * 5 * cfg.tile_m * 4
-  steps = cfg.max_concurrent_steps
-  while steps > 2 and steps * stage + extra > _SMEM_BYTES:
-    steps -= 1
+  steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra)
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
@@ -283,18 +232,15 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
   return hidden, weight, bias, m_run, n_run
 
 
-def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, n_tiles, m_run,
-          n_run, store_logits, stats, cfg: MosaicLogpConfig, out_type):
+def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_run, n_run,
+          store_logits, stats, cfg: MosaicLogpConfig, out_type):
   k = hidden.shape[1]
   temp = sp.temperature_operand(temperature)
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
       has_temp=temp is not None, store_logits=store_logits, stats=stats,
-      valid_vocab=valid_vocab, n_tiles=n_tiles, cfg=cfg)
-  f = plgpu.kernel(
-      kernel, out_type=out_type, grid=(_common.num_sms(),), grid_names=("sm",),
-      num_threads=_NUM_WGS + 1, thread_name="wg",
-      compiler_params=_common.mosaic_warpgroup_params())
+      valid_vocab=valid_vocab, cfg=cfg)
+  f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop)
   vecs = [x for x in (bias, None if temp is None else jnp.broadcast_to(temp, (VOCAB_TILE,)))
           if x is not None]
   return f(hidden, weight, *vecs, *extra)
@@ -332,8 +278,8 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   m_iters = pl.cdiv(m_run, cfg.tile_m)
   packed = _call(
       h2, w2, b2, (tg,), layout=layout, temperature=temperature,
-      valid_vocab=v if valid_vocab is None else valid_vocab, n_tiles=n_tiles, m_run=m_run,
-      n_run=n_run, store_logits=False, stats=True, cfg=cfg,
+      valid_vocab=v if valid_vocab is None else valid_vocab, m_run=m_run, n_run=n_run,
+      store_logits=False, stats=True, cfg=cfg,
       out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),))[0]
   m, s, u, tzp = _unpack(packed, n_tiles, t, cfg.tile_m)
   # One non-zero term per row (the owning tile's), so the sum is exact in any order.
@@ -372,7 +318,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
     m_iters = pl.cdiv(m_run, cfg.tile_m)
     out_type.append(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32))
   outs = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
-               n_tiles=n_tiles, m_run=m_run, n_run=n_run, store_logits=True,
+               m_run=m_run, n_run=n_run, store_logits=True,
                stats=return_stats, cfg=cfg, out_type=tuple(out_type))
   z = outs[0]
   z = z[:t, :v] if (m_run, n_out) != (t, v) else z

@@ -1,0 +1,290 @@
+"""The persistent main loop of the Hopper Mosaic GPU kernels (GEMM and LM head).
+
+One CTA per SM walks the ``[M, N]`` output in CTA tiles (``plgpu.nd_loop``
+over the SMs, a planar snake for L2 reuse). Per CTA tile, a warp-specialized
+pipeline runs: one memory warpgroup issues the TMA loads of ``A`` and ``B``
+K tiles into swizzled shared memory, and each of ``num_compute_wgs`` compute
+warpgroups issues wgmma into its own float32 accumulator, ``[tile_m, tile_n]``
+in registers:
+
+    acc = 0;  for kk = 0, 1, ..., ceil(K / TILE_K) - 1:
+      acc += A[:, kk TILE_K : (kk + 1) TILE_K] @ B[kk TILE_K : (kk + 1) TILE_K, :]
+
+each step as 4 k16 wgmma instructions in ascending order; no split-K, no
+stream-K. An element's K order depends on K only, never on M, N, the tile's
+position or the config. The caller's ``epilogue`` then receives each finished
+accumulator; the kernels differ only there (``gemm_mosaic`` stores the tile,
+``linear_logp_mosaic`` reduces it to softmax partials).
+
+Per-row and per-column epilogue operands (``operands``) are fetched by TMA
+while the K pipeline runs and are waited for before the epilogue starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxrl_kernels.contract import GEMM_TILE_K
+from jaxrl_kernels.pallas._common import (
+  HOPPER_SMEM_BYTES,
+  cdiv,
+  mosaic_warpgroup_params,
+  num_sms,
+  smem_transforms,
+)
+
+# The contract's K tile (128 bytes of bf16/fp16, one 128B swizzle row). Each
+# wgmma step consumes it as 4 k16 instructions in ascending order.
+TILE_K = GEMM_TILE_K
+
+# Shared memory a CTA may fill with pipeline stages and epilogue buffers: the
+# Hopper limit less 2 KiB for what the estimates leave out (barriers, small
+# operand vectors, the 1 KiB alignment of each allocation).
+SMEM_BUDGET = HOPPER_SMEM_BYTES - 2048
+
+# Epilogue operand kinds: a ``[M]`` vector sliced to the warpgroup's rows, a
+# ``[N]`` vector sliced to its columns, or a small vector copied whole.
+ROW, COL, WHOLE = "row", "col", "whole"
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The main loop's free knobs; none of them touches an element's K order.
+
+  Attributes:
+    tile_m, tile_n: one compute warpgroup's accumulator (``tile_m`` 64 or 128:
+      multiples of wgmma's m64).
+    num_compute_wgs: compute warpgroups per CTA, side by side along ``wg_split``.
+    wg_split: "m" (warpgroups stack rows) or "n" (warpgroups stack columns).
+    max_concurrent_steps: TMA pipeline depth (see :func:`pipeline_depth`).
+    grid_minor: the faster-moving CTA tile index of the persistent walk ("m" or "n").
+    grid_tile_width: band width of the planar snake walk.
+  """
+
+  tile_m: int
+  tile_n: int
+  num_compute_wgs: int
+  wg_split: str
+  max_concurrent_steps: int
+  grid_minor: str
+  grid_tile_width: int
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m * (self.num_compute_wgs if self.wg_split == "m" else 1)
+
+  @property
+  def cta_tile_n(self) -> int:
+    return self.tile_n * (self.num_compute_wgs if self.wg_split == "n" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """Where one compute warpgroup's finished accumulator sits in the output.
+
+  ``wg``, ``mi``, ``ni``, ``row0`` and ``col0`` are traced int32 scalars: the
+  compute warpgroup, the CTA tile's row and column index, and the first output
+  row and column of the accumulator. ``cta_rows``/``cta_cols`` slice the CTA
+  tile out of an ``[M, N]`` array, ``wg_rows``/``wg_cols`` this warpgroup's
+  part out of the CTA tile.
+  """
+
+  wg: Any
+  mi: Any
+  ni: Any
+  row0: Any
+  col0: Any
+  cta_rows: Any
+  cta_cols: Any
+  wg_rows: Any
+  wg_cols: Any
+
+  def window(self, ref):
+    """This warpgroup's ``[tile_m, tile_n]`` window of an ``[M, N]`` ref."""
+    return ref.at[self.cta_rows, self.cta_cols].at[self.wg_rows, self.wg_cols]
+
+
+# epilogue(acc, tile, vec_smem, bufs): see persistent_matmul.
+Epilogue = Callable[[Any, Tile, tuple, dict], None]
+
+
+def pipeline_depth(cfg: LoopConfig, itemsize: int, epilogue_bytes: int) -> int:
+  """``cfg.max_concurrent_steps``, lowered (not below 2) until the pipeline
+  stages (the CTA's A and B K tiles, ``itemsize`` bytes each) and the
+  epilogue's ``epilogue_bytes`` fit in :data:`SMEM_BUDGET`."""
+  stage = (cfg.cta_tile_m + cfg.cta_tile_n) * TILE_K * itemsize
+  steps = cfg.max_concurrent_steps
+  while steps > 2 and steps * stage + epilogue_bytes > SMEM_BUDGET:
+    steps -= 1
+  return steps
+
+
+def _grid(cfg: LoopConfig) -> dict:
+  # One CTA per SM; one memory warpgroup plus the compute warpgroups.
+  return dict(grid=(num_sms(),), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
+              thread_name="wg")
+
+
+def kernel(body: Callable, *, out_type, cfg: LoopConfig) -> Callable:
+  """``plgpu.kernel`` of ``body`` (which calls :func:`persistent_matmul`) on the
+  persistent grid of ``cfg``."""
+  return plgpu.kernel(body, out_type=out_type, compiler_params=mosaic_warpgroup_params(),
+                      **_grid(cfg))
+
+
+def mesh(cfg: LoopConfig) -> plgpu.Mesh:
+  """The persistent grid of ``cfg`` as a mesh, for ``pl.kernel`` (mutable-ref outputs)."""
+  return plgpu.Mesh(**_grid(cfg))
+
+
+def _transpose(ref):
+  return ref.transpose((1, 0))
+
+
+def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig,
+                      lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
+                      operands: Sequence[tuple[Any, str]] = (),
+                      scratch: dict | None = None) -> None:
+  """The body of a persistent GEMM kernel, up to the epilogue.
+
+  For every CTA tile of ``op(A) @ op(B)`` (``op(A)`` ``[M, K]``: ``a_gmem`` is
+  ``[M, K]``, or ``[K, M]`` with ``lhs_transposed``; ``op(B)`` ``[K, N]``:
+  ``b_gmem`` is ``[K, N]``, or ``[N, K]`` with ``rhs_transposed``), each compute
+  warpgroup accumulates its ``[tile_m, tile_n]`` part over ascending K tiles
+  and calls ``epilogue(acc, tile, vec_smem, bufs)``:
+
+  - ``acc``: the float32 accumulator ``[tile_m, tile_n]``, in the wgmma
+    register layout;
+  - ``tile``: a :class:`Tile` (where the accumulator sits);
+  - ``vec_smem``: one shared-memory ref ``[num_compute_wgs, length]`` per
+    entry of ``operands``, in order, holding this tile's values in row
+    ``tile.wg``. ``operands`` pairs a gmem vector with its kind: :data:`ROW`
+    (``[M]``, ``length = tile_m``, from ``tile.row0``), :data:`COL` (``[N]``,
+    ``length = tile_n``, from ``tile.col0``) or :data:`WHOLE` (copied as is);
+  - ``bufs``: the refs allocated for ``scratch`` (a dict of ``plgpu.SMEM`` /
+    ``plgpu.Barrier`` specs, same keys), made once per CTA and shared by its
+    warpgroups, each of which uses its own part.
+
+  The epilogue stores through TMA (``plgpu.copy_smem_to_gmem``) and must wait
+  for the previous tile's stores (``plgpu.wait_smem_to_gmem``) before it
+  rewrites a staging buffer; the loop waits for every store before the kernel
+  returns. ``m``, ``n``, ``k``: the extents TMA walks (rows, columns and
+  reduction; loads past an edge read zeros, stores past one are clipped).
+  """
+  itemsize = jnp.dtype(a_gmem.dtype).itemsize
+  cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
+  m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, TILE_K)
+  for _, kind in operands:
+    if kind not in (ROW, COL, WHOLE):
+      raise ValueError(f"persistent_matmul: operand kind must be one of {(ROW, COL, WHOLE)}, "
+                       f"got {kind!r}")
+
+  if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
+    a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
+                             transforms=smem_transforms(cta_m, itemsize))
+  else:  # [M, K]: smem tile [cta_m, TILE_K]
+    a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
+                             transforms=smem_transforms(TILE_K, itemsize))
+  if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
+    b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
+                             transforms=smem_transforms(TILE_K, itemsize))
+  else:  # [K, N]: smem tile [TILE_K, cta_n]
+    b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
+                             transforms=smem_transforms(cta_n, itemsize))
+
+  def make_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[a_spec, b_spec],
+        wg_axis="wg",
+        num_compute_wgs=cfg.num_compute_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  def ignore(*_, **__):
+    return None
+
+  def vec_length(ref, kind):
+    if kind == ROW:
+      return cfg.tile_m
+    return cfg.tile_n if kind == COL else ref.shape[0]
+
+  # run_scoped allocates in sorted key order: pipeline stages, epilogue buffers, operands.
+  scoped = dict(
+      allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      bufs=dict(scratch or {}),
+  )
+  if operands:
+    scoped["vec_smem"] = tuple(
+        plgpu.SMEM((cfg.num_compute_wgs, vec_length(ref, kind)), ref.dtype)
+        for ref, kind in operands)
+    scoped["vec_barriers"] = plgpu.Barrier(num_arrivals=len(operands),
+                                           num_barriers=cfg.num_compute_wgs)
+
+  @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
+  def _scope(allocs, bufs, vec_smem=(), vec_barriers=None):
+    wg = lax.axis_index("wg")
+    minor = 0 if cfg.grid_minor == "m" else 1
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
+      cta_m_slice = pl.ds(mi * cta_m, cta_m)
+      cta_n_slice = pl.ds(ni * cta_n, cta_n)
+      if cfg.wg_split == "m":
+        wg_m, wg_n = pl.ds(wg * cfg.tile_m, cfg.tile_m), slice(None)
+      else:
+        wg_m, wg_n = slice(None), pl.ds(wg * cfg.tile_n, cfg.tile_n)
+
+      def compute_context(run_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n),
+                                                            jnp.float32))
+        def _acc_scope(acc_ref):
+          # This warpgroup's rows and columns of the output.
+          row0 = mi * cta_m + (wg * cfg.tile_m if cfg.wg_split == "m" else 0)
+          col0 = ni * cta_n + (wg * cfg.tile_n if cfg.wg_split == "n" else 0)
+          # Epilogue operands, fetched during the K pipeline.
+          for (src, kind), dst in zip(operands, vec_smem):
+            if kind == ROW:
+              src = src.at[pl.ds(row0, cfg.tile_m)]
+            elif kind == COL:
+              src = src.at[pl.ds(col0, cfg.tile_n)]
+            plgpu.copy_gmem_to_smem(src, dst.at[wg], vec_barriers.at[wg])
+          run_pipeline(acc_ref)
+          acc = acc_ref[...]
+          if operands:
+            plgpu.barrier_wait(vec_barriers.at[wg])
+          tile = Tile(wg=wg, mi=mi, ni=ni, row0=row0, col0=col0, cta_rows=cta_m_slice,
+                      cta_cols=cta_n_slice, wg_rows=wg_m, wg_cols=wg_n)
+          epilogue(acc, tile, vec_smem, bufs)
+
+      def mma(idxs, a_smem, b_smem, acc_ref):
+        del idxs
+        if lhs_transposed:
+          a_op = _transpose(a_smem.at[:, wg_m])
+        else:
+          a_op = a_smem.at[wg_m, :]
+        if rhs_transposed:
+          b_op = _transpose(b_smem.at[wg_n, :])
+        else:
+          b_op = b_smem.at[:, wg_n]
+        plgpu.wgmma(acc_ref, a_op, b_op)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
+      b_view = b_gmem.at[cta_n_slice, :] if rhs_transposed else b_gmem.at[:, cta_n_slice]
+      make_pipeline(mma, compute_context)(a_view, b_view, allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -1,0 +1,65 @@
+"""The Hopper Mosaic kernels trace on any host: both run mosaic_loop's main loop (one
+persistent loop, two epilogues), and their Python kernel bodies build (no GPU needed)."""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrl_kernels.pallas import gemm_mosaic, linear_logp_mosaic, mosaic_loop
+
+S = jax.ShapeDtypeStruct
+
+
+def _traced_loops(fn, *args):
+  """Traces ``fn`` and returns the configs mosaic_loop.persistent_matmul ran with."""
+  seen = []
+  real = mosaic_loop.persistent_matmul
+
+  def spy(*a, **kw):
+    seen.append(kw["cfg"])
+    return real(*a, **kw)
+
+  with mock.patch.object(mosaic_loop, "persistent_matmul", spy):
+    jax.make_jaxpr(fn)(*args)
+  return seen
+
+
+@pytest.mark.parametrize("rhs_transposed", [False, True])
+@pytest.mark.parametrize("mode", ["store", "acc", "epilogue", "weight_grad"])
+def test_gemm_runs_the_shared_main_loop(mode, rhs_transposed):
+  m, k, n = (512, 300, 1024) if mode == "weight_grad" else (300, 512, 1024)
+  kw = dict(lhs_transposed=mode == "weight_grad", rhs_transposed=rhs_transposed,
+            out_dtype=jnp.float32 if mode in ("acc", "weight_grad") else jnp.bfloat16)
+  a = S((k, m) if mode == "weight_grad" else (m, k), jnp.bfloat16)
+  b = S((n, k) if rhs_transposed else (k, n), jnp.bfloat16)
+  if mode == "acc":
+    fn = lambda a, b, c: gemm_mosaic.matmul(a, b, acc=c, **kw)  # noqa: E731
+    args = (a, b, S((m, n), jnp.float32))
+  elif mode == "epilogue":
+    fn = lambda a, b, r, c: gemm_mosaic.matmul(  # noqa: E731
+        a, b, **kw, row_operands=(r,), col_operands=(c,),
+        epilogue=lambda z, rows, cols, ids: z * rows[0] + cols[0])
+    args = (a, b, S((m,), jnp.float32), S((n,), jnp.float32))
+  else:
+    fn, args = (lambda a, b: gemm_mosaic.matmul(a, b, **kw)), (a, b)
+  (cfg,) = _traced_loops(fn, *args)
+  want = gemm_mosaic.default_config(m, n, k)
+  assert (cfg.tile_m, cfg.tile_n, cfg.num_compute_wgs, cfg.wg_split) == (
+      want.tile_m, want.tile_n, want.num_compute_wgs, want.wg_split)
+
+
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_lm_head_runs_the_shared_main_loop(layout):
+  t, h, v = 300, 512, 3001
+  w = S((h, v) if layout == "hv" else (v, h), jnp.bfloat16)
+  x, b, tg = S((t, h), jnp.bfloat16), S((v,), jnp.bfloat16), S((t,), jnp.int32)
+  kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16)
+  loops = _traced_loops(lambda x, w, b, tg: linear_logp_mosaic.tile_partials(x, w, b, tg, **kw),
+                        x, w, b, tg)
+  loops += _traced_loops(
+      lambda x, w, b: linear_logp_mosaic.logits(x, w, b, return_stats=True, **kw), x, w, b)
+  for cfg in loops:
+    assert (cfg.tile_n, cfg.num_compute_wgs, cfg.wg_split) == (
+        linear_logp_mosaic.VOCAB_TILE, 2, "n")
