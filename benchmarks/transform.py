@@ -1,18 +1,24 @@
 """batch_invariant benchmark: a Llama-shaped model in plain jnp, untransformed vs
-``jk.batch_invariant``, in one run.
+``jk.batch_invariant``, in one run, with where the time goes.
 
-  PYTHONPATH=$PWD python benchmarks/transform.py [--quick]
+  PYTHONPATH=$PWD python benchmarks/transform.py [--quick] [--attention einsum|sdpa]
       [--out benchmarks/results/transform_<device>.md]
 
 Model (tests/transform/llama_jnp.py): H = 2048, 16 layers, GQA 16/8 heads of 128,
-SwiGLU FFN 8192, V = 128256, bf16 (flags shrink it; ``--quick``: 2 layers, V = 32768).
+SwiGLU FFN 8192, V = 128256, bf16; attention written as einsum + softmax
+(``--attention einsum``, the default) or as ``jax.nn.dot_product_attention``
+(``--attention sdpa``: batch_invariant runs the library's attention kernel for it).
 * training: forward + backward of the mean next-token cross entropy, ``--train-batch``
   sequences of ``--train-seq`` tokens: tokens/s;
 * decode: one token for ``--decode-batch`` sequences against a KV cache of
   ``--cache`` slots (position ``--cache // 2``): tokens/s.
 Times are device time (CUPTI, benchmarks/_timing.py) with a pipelined wall-clock
-check (``--iters`` calls issued back to back, one sync). Issue targets: transformed
+check (``--iters`` calls issued back to back, one sync). Where the time goes: each
+program's kernels (CUPTI, one call) grouped into GEMMs, reductions, attention and
+the rest (element-wise fusions, copies), with the longest kernels by name; on a
+machine without CUPTI (the CPU) that table says so. Issue targets: transformed
 training >= 0.9x and decode >= 0.8x of the untransformed model.
+``--quick``: a tiny model (H = 64, 2 layers, V = 512; < 1 min on a CPU) to check the script.
 """
 
 from __future__ import annotations
@@ -48,6 +54,60 @@ def pipelined_ms(f, *args, iters: int) -> float:
   return (time.perf_counter() - t0) * 1e3 / iters
 
 
+# Kernel name fragments of each class (CUPTI names; XLA's own kernels and the library's).
+_CLASSES = (
+    ("attention", ("attention", "fmha", "flash", "cudnn", "sdpa")),
+    ("reduction", ("det_sum", "det_prod", "det_cum", "reduce", "softmax", "_rows")),
+    ("GEMM", ("matmul", "gemm", "nvjet", "xmma", "cutlass", "cublas", "dot", "mosaic",
+              "kernel")),
+)
+
+
+def kernel_class(name: str) -> str:
+  """``"attention"``, ``"reduction"``, ``"GEMM"`` or ``"other"`` for a kernel name."""
+  low = name.lower()
+  for cls, frags in _CLASSES:
+    if any(f in low for f in frags):
+      return cls
+  return "other"
+
+
+def kernel_breakdown(f, *args) -> list[tuple[str, float]] | None:
+  """``[(kernel name, ms), ...]`` of one call of ``f`` (CUPTI), or None without CUPTI."""
+  jax.block_until_ready(f(*args))
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, timings = profiler.measure(f, aggregate=False)(*args)
+  except Exception:  # noqa: BLE001 - no CUPTI here (CPU): no breakdown
+    return None
+  return list(timings) if timings else None
+
+
+def breakdown_lines(title: str, timings: list[tuple[str, float]] | None, top: int) -> list[str]:
+  if timings is None:
+    return [f"\n{title}: no per-kernel breakdown (CUPTI is unavailable on this device)"]
+  total = sum(ms for _, ms in timings) or 1.0
+  by_class: dict[str, list[float]] = {}
+  for name, ms in timings:
+    by_class.setdefault(kernel_class(name), []).append(ms)
+  lines = [f"\n{title}: {total:.3f} ms in {len(timings)} kernels",
+           "", "| class | kernels | ms | share |", "|---|---|---|---|"]
+  for cls in ("GEMM", "reduction", "attention", "other"):
+    ms = by_class.get(cls, [])
+    lines.append(f"| {cls} | {len(ms)} | {sum(ms):.3f} | {100 * sum(ms) / total:.1f}% |")
+  agg: dict[str, list[float]] = {}
+  for name, ms in timings:
+    agg.setdefault(name, []).append(ms)
+  longest = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
+  lines += ["", f"longest kernels (of {len(agg)} distinct):", "",
+            "| kernel | class | calls | ms | share |", "|---|---|---|---|---|"]
+  for name, ms in longest:
+    short = name if len(name) <= 70 else name[:67] + "..."
+    lines.append(f"| `{short}` | {kernel_class(name)} | {len(ms)} | {sum(ms):.3f} | "
+                 f"{100 * sum(ms) / total:.1f}% |")
+  return lines
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--dim", type=int, default=2048)
@@ -63,14 +123,19 @@ def main() -> None:
   p.add_argument("--cache", type=int, default=2048)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--implementation", default=None, help="batch_invariant's implementation")
-  p.add_argument("--quick", action="store_true", help="2 layers, V = 32768, train batch 2")
+  p.add_argument("--attention", default="einsum", choices=("einsum", "sdpa"),
+                 help="the model's attention: einsum + softmax, or jax.nn.dot_product_attention")
+  p.add_argument("--top", type=int, default=12, help="longest kernels listed per program")
+  p.add_argument("--quick", action="store_true",
+                 help="a tiny model (H = 64, 2 layers, V = 512): checks the script on a CPU")
   p.add_argument("--out", default=None, help="write the markdown table here too")
   a = p.parse_args()
   if a.quick:
-    a.layers, a.vocab, a.train_batch = 2, 32768, 2
+    a.dim, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 64, 2, 4, 2, 128, 512
+    a.train_batch, a.train_seq, a.decode_batch, a.cache, a.iters = 2, 16, 4, 32, 2
   cfg = L.LlamaConfig(vocab=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads,
                       n_kv_heads=a.kv_heads, ffn=a.ffn, max_len=a.cache, dtype=a.dtype,
-                      rope_theta=500000.0)
+                      rope_theta=500000.0, attention=a.attention)
   params = L.init(jax.random.key(0), cfg)
   tokens = jax.random.randint(jax.random.key(1), (a.train_batch, a.train_seq + 1), 0, cfg.vocab)
   dec_tok = jax.random.randint(jax.random.key(2), (a.decode_batch,), 0, cfg.vocab)
@@ -88,6 +153,7 @@ def main() -> None:
   }
   train_tokens = a.train_batch * a.train_seq
   rows = []
+  profiles = []
   for name, (train, dec) in variants.items():
     row = {"variant": name}
     try:
@@ -104,6 +170,11 @@ def main() -> None:
       row["decode_pipelined_ms"] = pipelined_ms(dec, params, cache, dec_tok, step, iters=a.iters)
     except Exception as e:  # noqa: BLE001
       row["decode_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for what, err, f, args in (("training step", "train_error", train, (params, tokens)),
+                               ("decode step", "decode_error", dec,
+                                (params, cache, dec_tok, step))):
+      if err not in row:
+        profiles.append((f"{name} {what}", kernel_breakdown(f, *args)))
     rows.append(row)
     print(row, flush=True)
 
@@ -116,7 +187,8 @@ def main() -> None:
       f"model: H={cfg.dim}, layers={cfg.n_layers}, heads {cfg.n_heads}/{cfg.n_kv_heads} x "
       f"{cfg.head_dim}, FFN {cfg.ffn}, V={cfg.vocab}, {cfg.dtype}; training "
       f"{a.train_batch} x {a.train_seq} tokens (forward + backward); decode batch "
-      f"{a.decode_batch}, cache {a.cache}; implementation={a.implementation}",
+      f"{a.decode_batch}, cache {a.cache}; attention={a.attention}; "
+      f"implementation={a.implementation}",
       "",
       "| variant | train ms | train tokens/s | train pipelined ms | decode ms | decode tokens/s "
       "| decode pipelined ms |",
@@ -136,6 +208,9 @@ def main() -> None:
       ratio = new[k] / base[k]
       lines.append(f"\n{k.split('_')[0]}: transformed / untransformed = {ratio:.3f} "
                    f"(target >= {target})")
+  lines += ["", "## Where the time goes (one call, CUPTI kernel time)"]
+  for title, timings in profiles:
+    lines += breakdown_lines(title, timings, a.top)
   text = "\n".join(lines) + "\n"
   print(text)
   if a.out:

@@ -13,7 +13,7 @@ import numpy as np
 from jax._src import core
 
 from jaxrl_kernels import _backend
-from jaxrl_kernels.transform import interpreter
+from jaxrl_kernels.transform import attention, interpreter
 from jaxrl_kernels.transform.rules import Options
 
 
@@ -174,7 +174,9 @@ def batch_invariant(fn: Callable | None = None, *, implementation: str | None = 
         out_tree_box.append(tree)
         return flat
 
-      closed = jax.make_jaxpr(traced)(*dyn)  # abstracts them, shardings included
+      # jax.nn.dot_product_attention leaves no trace of itself in a jaxpr: mark it.
+      with attention.intercepting():
+        closed = jax.make_jaxpr(traced)(*dyn)  # abstracts them, shardings included
       entry = _Rewritten(closed, out_tree_box[0], opts)
       # A program that closes over another trace's values lives as long as that trace.
       if key is not None and not any(isinstance(c, core.Tracer) for c in closed.consts):

@@ -5,10 +5,12 @@ primitive has a rule in :mod:`jaxrl_kernels.transform.rules` is replaced by the
 rule's output, an equation that holds jaxprs (``jit``, ``cond``, ``while``,
 ``scan``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``, ...)
 is bound again with each inner jaxpr rewritten the same way, and every other
-equation is bound as it is. Custom derivative rules are kept; the jaxprs they
-produce (a custom JVP, a custom VJP's forward) are rewritten when JAX asks for
-them, so the forward alone and the forward inside a training step run the same
-rewritten primitives.
+equation is bound as it is. A call of ``jax.nn.dot_product_attention`` (its
+marked ``jit``, or jax's cuDNN ``custom_vjp_call``) becomes the library's
+attention where it fits (:mod:`jaxrl_kernels.transform.attention`).
+Custom derivative rules are kept; the jaxprs they produce (a custom JVP, a custom
+VJP's forward) are rewritten when JAX asks for them, so the forward alone and the
+forward inside a training step run the same rewritten primitives.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax._src import core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
+from jaxrl_kernels.transform import attention
 from jaxrl_kernels.transform import rules as rules_mod
 from jaxrl_kernels.transform.rules import Options, Unsupported
 
@@ -199,6 +202,15 @@ def _apply(eqn, invals, opts: Options, left: list[str]):
     if out is not None:
       return out
     return _bind(eqn, eqn.params, invals)
+  if name in attention.CALL_PRIMITIVES:
+    try:
+      out = attention.rewrite_call(opts, eqn, invals,
+                                   lambda fn, *a: _trace_and_eval(fn, a, opts, left))
+    except Unsupported as e:
+      _not_rewritten(eqn, str(e), opts, left)
+      return _bind(eqn, eqn.params, invals)
+    if out is not None:
+      return out
   if name in rules_mod.UNSUPPORTED:
     _not_rewritten(eqn, rules_mod.UNSUPPORTED[name], opts, left)
     return _bind(eqn, eqn.params, invals)
@@ -215,6 +227,12 @@ def _apply(eqn, invals, opts: Options, left: list[str]):
     _not_rewritten(eqn, str(e), opts, left)
     params = eqn.params
   return _bind(eqn, params, invals)
+
+
+def _trace_and_eval(fn, args, opts: Options, left: list[str]) -> list:
+  """``fn(*args)`` (flat outputs) traced and evaluated with the rules applied."""
+  closed = jax.make_jaxpr(fn)(*args)
+  return eval_jaxpr(closed.jaxpr, closed.consts, jax.tree.leaves(args), opts, left)
 
 
 def eval_jaxpr(jaxpr: core.Jaxpr, consts, args, opts: Options, left: list[str]) -> list:

@@ -284,4 +284,6 @@ UNSUPPORTED = {
     "scatter_mul": "scatter-multiply with repeated indices",
     "ragged_dot_general": "ragged (grouped) products",
     "ragged_dot": "ragged (grouped) products",
+    "dot_product_attention_fwd_wrapper": "cuDNN attention outside its custom_vjp",
+    "dot_product_attention_fwd": "cuDNN attention outside its custom_vjp",
 }

@@ -2,10 +2,13 @@
 the library's modules): the model that ``batch_invariant`` is proven on.
 
 Embedding lookup, RMSNorm via ``jnp.mean``, RoPE, grouped-query attention by
-``jnp.repeat`` with ``jnp.einsum`` scores and a float32 ``jax.nn.softmax``, SwiGLU,
-an untied LM head. ``decode_logits`` runs the model one token at a time against
-a zero-initialised KV cache written with ``lax.dynamic_update_slice`` inside a
-``lax.fori_loop``; ``generate`` is the greedy decoder.
+``jnp.repeat`` with ``jnp.einsum`` scores and a float32 ``jax.nn.softmax`` (or, with
+``attention="sdpa"``, ``jax.nn.dot_product_attention``: ``is_causal`` in the forward,
+``key_value_seq_lengths`` against the cache in decode), SwiGLU, an untied LM head.
+``decode_logits`` runs the model one token at a time against a zero-initialised KV
+cache written with ``lax.dynamic_update_slice`` inside a ``lax.fori_loop``;
+``generate`` is the greedy decoder. ``build`` is the model in the
+``jaxrl-kernels parity --model-fn llama_jnp:build`` protocol (docs/transform.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class LlamaConfig:
   max_len: int = 40
   rope_theta: float = 10000.0
   dtype: str = "float32"
+  # "einsum", "sdpa" (jax.nn.dot_product_attention) or "cudnn" (the same, implementation="cudnn")
+  attention: str = "einsum"
 
   @property
   def head_dim(self) -> int:
@@ -82,8 +87,20 @@ def rope(x, pos, theta: float):
   return out.astype(x.dtype)
 
 
-def attention(q, k, v, mask, cfg: LlamaConfig):
-  """``q [B, T, H, hd]``, ``k, v [B, S, KV, hd]``, ``mask [B, T, S]`` (True: attend)."""
+def attention(q, k, v, mask, cfg: LlamaConfig, kv_lengths=None):
+  """``q [B, T, H, hd]``, ``k, v [B, S, KV, hd]``, ``mask [B, T, S]`` (True: attend).
+
+  ``attention="sdpa"`` (``"cudnn"``): ``jax.nn.dot_product_attention`` (with
+  ``implementation="cudnn"``), causal when ``kv_lengths``
+  is None (the full forward, ``S == T``), else over the first ``kv_lengths [B]`` keys
+  (decode against the cache).
+  """
+  if cfg.attention in ("sdpa", "cudnn"):
+    impl = "cudnn" if cfg.attention == "cudnn" else None
+    if kv_lengths is None:
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths,
+                                        implementation=impl)
   rep = cfg.n_heads // cfg.n_kv_heads
   k = jnp.repeat(k, rep, axis=2)
   v = jnp.repeat(v, rep, axis=2)
@@ -94,7 +111,7 @@ def attention(q, k, v, mask, cfg: LlamaConfig):
   return jnp.einsum("bhts,bshd->bthd", probs, v)
 
 
-def _block(layer, x, pos, kv, mask, cfg: LlamaConfig):
+def _block(layer, x, pos, kv, mask, cfg: LlamaConfig, kv_lengths=None):
   """One layer on ``x [B, T, D]``; ``kv(k, v) -> (k_all, v_all)`` supplies the keys."""
   b, t, _ = x.shape
   h = rms_norm(x, layer["attn_norm"])
@@ -103,7 +120,7 @@ def _block(layer, x, pos, kv, mask, cfg: LlamaConfig):
   v = (h @ layer["wv"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
   q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
   k_all, v_all = kv(k, v)
-  a = attention(q, k_all, v_all, mask, cfg).reshape(b, t, cfg.dim)
+  a = attention(q, k_all, v_all, mask, cfg, kv_lengths).reshape(b, t, cfg.dim)
   x = x + a @ layer["wo"]
   h = rms_norm(x, layer["mlp_norm"])
   return x + (jax.nn.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer["w2"]
@@ -144,7 +161,7 @@ def decode_step(params, cache, token, step, cfg: LlamaConfig):
       ks.append(k_all)
       vs.append(v_all)
       return k_all, v_all
-    x = _block(layer, x, pos, kv, mask, cfg)
+    x = _block(layer, x, pos, kv, mask, cfg, jnp.full((b,), step + 1, jnp.int32))
   return _head(params, x)[:, 0], {"k": jnp.stack(ks), "v": jnp.stack(vs)}
 
 
@@ -187,3 +204,33 @@ def loss(params, tokens, cfg: LlamaConfig):
   logp = jax.nn.log_softmax(logits, axis=-1)
   tgt = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   return -jnp.mean(tgt)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaModel:
+  """The parity protocol's model (docs/transform.md): ``forward``, ``init_cache``,
+  ``decode`` of plain arrays; the cache has ``max_len`` slots."""
+
+  cfg: LlamaConfig
+
+  def forward(self, params, tokens):
+    return forward(params, tokens, self.cfg)
+
+  def init_cache(self, params, batch: int, max_len: int):
+    del params
+    return init_cache(batch, dataclasses.replace(self.cfg, max_len=max_len))
+
+  def decode(self, params, cache, token, position):
+    cfg = dataclasses.replace(self.cfg, max_len=cache["k"].shape[2])
+    return decode_step(params, cache, token, position, cfg)
+
+
+def build(seed: int, **config) -> tuple[dict, LlamaModel]:
+  """``(params, model)`` of a small Llama (``LlamaConfig(**config)``) from ``seed``."""
+  cfg = LlamaConfig(**config)
+  return init(jax.random.key(seed), cfg), LlamaModel(cfg)
+
+
+def build_sdpa(seed: int) -> tuple[dict, LlamaModel]:
+  """``build`` with ``jax.nn.dot_product_attention`` for the attention."""
+  return build(seed, attention="sdpa")
