@@ -9,7 +9,8 @@ forward+backward (grads w.r.t. hidden and the weight shard) wall time per step
 with the bitwise ``all_gather`` merge and with the ``psum`` merge, against the
 unsharded ``linear_logp`` on one GPU; and whether each result is bitwise equal
 to the unsharded one. Wall clock (synchronised, median of ``--iters``): CUPTI
-would sum the kernels of all GPUs.
+would sum the kernels of all GPUs. The row-parallel layers (o_proj, down_proj) and the
+whole sharded model are measured by ``benchmarks/tp_model.py``.
 """
 
 from __future__ import annotations

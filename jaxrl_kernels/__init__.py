@@ -1,6 +1,7 @@
 """jaxrl_kernels: bitwise batch-invariant kernels for RL post-training in JAX.
 
-Public ops: ``det_matmul`` (deterministic GEMM), ``linear_logp`` (fused LM-head
+Public ops: ``det_matmul`` (deterministic GEMM) and its row-parallel form
+``row_parallel_matmul`` (one K order at every TP degree), ``linear_logp`` (fused LM-head
 log-prob + entropy) and its vocab-parallel form ``vocab_parallel_linear_logp``,
 ``causal_attention`` (decode = prefill bitwise), masked global reductions,
 ``logprob_drift`` diagnostics, the ``rl`` objectives, the ``train`` driver,
@@ -19,6 +20,7 @@ from jaxrl_kernels.attention import causal_attention as causal_attention
 from jaxrl_kernels.diagnostics import DriftReport as DriftReport
 from jaxrl_kernels.diagnostics import logprob_drift as logprob_drift
 from jaxrl_kernels.gemm import det_matmul as det_matmul
+from jaxrl_kernels.gemm import row_parallel_matmul as row_parallel_matmul
 from jaxrl_kernels.linear_logp import check_targets as check_targets
 from jaxrl_kernels.linear_logp import linear_logp as linear_logp
 from jaxrl_kernels.linear_logp import pad_vocab as pad_vocab

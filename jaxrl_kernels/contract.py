@@ -34,6 +34,15 @@ LOGITS_BLOCK_H_INTERPRET = 64
 # height fixes the reduction tree of every row's partials.
 EPI_ROWS = 64
 
+# --- tensor parallel
+# K chunks of a row-parallel GEMM (o_proj, down_proj; gemm/row_parallel.py): K is cut
+# into this many equal contiguous chunks, each reduced by det_matmul in float32 from zero,
+# and the chunk partials are summed by the fixed adjacent-pair tree
+# ((P0+P1)+(P2+P3))+((P4+P5)+(P6+P7)). A TP degree p (a divisor of it) owns C/p adjacent
+# chunks, i.e. one complete subtree, so TP = 1, 2, 4, 8 and the unsharded layer give the
+# same bits. A power of two; the largest TP degree the canonical order allows.
+ROW_PARALLEL_CHUNKS = 8
+
 # --- attention
 # Triton (and interpret) forward: queries per program (decode pads its query to
 # it), keys per tile walked in ascending order from key 0, and the compiler

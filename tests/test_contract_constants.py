@@ -1,10 +1,11 @@
 """``jaxrl_kernels/contract.py`` is the one source of every bit-fixing constant: the
 kernels use its values, and the CUDA source's K tile is checked against it."""
 
+import inspect
 import pathlib
 import re
 
-from jaxrl_kernels import attention, contract
+from jaxrl_kernels import attention, contract, row_parallel_matmul
 from jaxrl_kernels.custom_calls import gemm_ffi
 from jaxrl_kernels.pallas import attention_mosaic, attention_triton, gemm_mosaic, gemm_triton
 
@@ -53,6 +54,15 @@ def test_today_s_values():
   assert (contract.ATTENTION_TRITON_FWD_NUM_WARPS,
           contract.ATTENTION_TRITON_FWD_NUM_STAGES) == (4, 2)
   assert (contract.ATTENTION_MOSAIC_BLOCK_Q, contract.ATTENTION_MOSAIC_KEY_TILE) == (64, 128)
+  assert contract.ROW_PARALLEL_CHUNKS == 8
+
+
+def test_row_parallel_default_is_the_contracts():
+  """row_parallel_matmul's default chunk count is the contract's, a power of two (its
+  adjacent-pair tree needs one), and the largest TP degree of the canonical order."""
+  default = inspect.signature(row_parallel_matmul).parameters["chunks"].default
+  assert default == contract.ROW_PARALLEL_CHUNKS
+  assert default & (default - 1) == 0
 
 
 def test_no_kernel_defines_its_own_contract_constant():

@@ -1,0 +1,308 @@
+"""``row_parallel_matmul``: ``x @ w + bias`` in one K-reduction order for every TP degree.
+
+Contract: ``K`` is cut into ``C`` equal chunks, each reduced by ``det_matmul`` in float32;
+the ``C`` partials meet in the fixed pairwise tree ``((P0+P1)+(P2+P3))+((P4+P5)+(P6+P7))``,
+then ``+ bias`` (float32) and one rounding. Unsharded and TP = 1, 2, 4, ... give the same bits.
+
+Why the bits hold. With ``p`` ranks along ``axis_name`` (``C % p == 0``), rank ``r`` holds
+the contiguous K rows of chunks ``[r C/p, (r+1) C/p)``. Each chunk partial is the same
+product (same operands, same ``[K/C, N]`` weight shape, so the same kernel and K walk) on
+every rank and in the unsharded call. Because ``p`` divides the power of two ``C``, those
+``C/p`` adjacent chunks are exactly the leaves of one complete subtree of the tree above:
+the rank's local tree computes that subtree's value, term for term. The ``p`` subtree values
+are exchanged and combined by the tree's top ``log2 p`` levels, in the same pairing. Every
+floating-point addition of the unsharded tree is thus performed with the same two operands,
+and float addition is commutative, so the result is bitwise the same for every ``p``. The
+exchange moves float32 values without arithmetic, and the bias add and the final cast are
+element-wise. The backward runs per chunk too (``dx`` and ``dw`` of chunk ``c`` are one
+fixed-shape product each) on the output cotangent, which the ranks' shares rebuild through
+the same tree exchange: gradients are the same bits at every TP degree as well.
+
+``merge="psum"`` is the Megatron layer kept as the control: one ``det_matmul`` over the
+rank's ``K/p`` rows, then ``lax.psum``; its bits change with ``p``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_kernels import _validation, contract
+from jaxrl_kernels.gemm.api import matmul2d, resolve_implementation
+
+_OP = "row_parallel_matmul"
+MERGES = ("canonical", "psum")
+
+# Implementations whose product, mapped with ``jax.vmap`` over a leading chunk axis, runs
+# each chunk as exactly the computation of one call on that chunk, so the C chunk products
+# cost one launch: the Pallas GEMM of "triton"/"interpret" gains a grid axis (the same
+# program per chunk) and the CUTLASS FFI call is vmapped sequentially. Mosaic's kernel
+# (a Pallas mesh kernel) has no batching rule; XLA's CPU dot may pick another blocking for a
+# batched dot: those run one call per chunk, as does the "xla" baseline.
+_STACKED = frozenset({"triton", "interpret", "cuda"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """What fixes the computation (a ``custom_vjp`` static argument: part of the jit key)."""
+  axis_name: object
+  tp: int
+  local_chunks: int  # chunks of this rank's K rows: C / tp (canonical), 1 (psum)
+  merge: str
+  implementation: str
+  out_dtype: jnp.dtype
+
+
+def _axis_size(axis_name) -> int:
+  if hasattr(lax, "axis_size"):
+    return int(lax.axis_size(axis_name))
+  return int(lax.psum(1, axis_name))  # pragma: no cover - older jax
+
+
+def _varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` is typed as varying over (empty unless ``check_vma=True``)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; other versions: aval.vma
+  return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def pairwise_tree(parts) -> jax.Array:
+  """The sum of ``parts`` (a sequence of equal-shape arrays, a power of two of them) by
+  adjacent pairs: ``((p0+p1)+(p2+p3))+...``, each addition written out (never a reduction
+  emitter's choice); a contiguous run of leaves is always a complete subtree.
+  """
+  parts = list(parts)
+  if len(parts) & (len(parts) - 1) or not parts:
+    raise ValueError(f"pairwise_tree: needs a power of two of parts, got {len(parts)}")
+  while len(parts) > 1:
+    parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+  return parts[0]
+
+
+def _chunk_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transposed: bool,
+                    out_dtype, lhs_stacked: bool, rhs_stacked: bool) -> list[jax.Array]:
+  """Product ``c`` of chunk ``c`` of the stacked (``[L, ...]``) operand(s), for each of the
+  L local chunks: each bitwise ``matmul2d`` on that chunk alone (one launch where the
+  backend batches, else L calls)."""
+  fn = functools.partial(matmul2d, lhs_transposed=lhs_transposed,
+                         rhs_transposed=rhs_transposed, out_dtype=out_dtype,
+                         implementation=st.implementation)
+  if st.implementation in _STACKED:
+    return list(jax.vmap(fn, in_axes=(0 if lhs_stacked else None,
+                                      0 if rhs_stacked else None))(lhs, rhs))
+  return [fn(lhs[c] if lhs_stacked else lhs, rhs[c] if rhs_stacked else rhs)
+          for c in range(st.local_chunks)]
+
+
+def _split_k(x2, n: int) -> jax.Array:
+  """``[M, K]`` -> ``[n, M, K/n]``: the ``n`` contiguous K chunks, chunk-major."""
+  m, k = x2.shape
+  return x2.reshape(m, n, k // n).transpose(1, 0, 2)
+
+
+def _tree_all_reduce(st: _Static, local: jax.Array, finish) -> jax.Array:
+  """``finish(tree_r(local_r))`` over the ``tp`` ranks, replicated: the top ``log2 tp`` levels
+  of the canonical tree, then ``finish(y, col0, width)`` on columns ``[col0, col0 + width)``.
+
+  When ``tp`` divides N, rank ``r`` receives every rank's value of its ``N/tp`` columns
+  (all-to-all), sums and finishes them, and the finished columns are gathered (the traffic
+  of a reduce-scatter + all-gather); otherwise every rank gathers all ``[tp, M, N]`` values.
+  Either way each element is the same tree of the same operands.
+  """
+  m, n = local.shape
+  if n % st.tp == 0:
+    nb = n // st.tp
+    blocks = local.reshape(m, st.tp, nb).transpose(1, 0, 2)
+    mine = lax.all_to_all(blocks, st.axis_name, 0, 0, tiled=True)  # [tp (source rank), M, nb]
+    y = finish(pairwise_tree(list(mine)), lax.axis_index(st.axis_name) * nb, nb)
+    return lax.all_gather(y, st.axis_name, axis=1, tiled=True)
+  return finish(pairwise_tree(list(lax.all_gather(local, st.axis_name))), 0, n)
+
+
+def _forward(st: _Static, x2, w, bias):
+  n = w.shape[1]
+  k_chunk = x2.shape[1] // st.local_chunks
+  parts = _chunk_products(st, _split_k(x2, st.local_chunks),
+                          w.reshape(st.local_chunks, k_chunk, n), lhs_transposed=False,
+                          rhs_transposed=False, out_dtype=jnp.float32, lhs_stacked=True,
+                          rhs_stacked=True)
+  local = pairwise_tree(parts)  # this rank's complete subtree, [M, N] float32
+  b32 = None if bias is None else bias.astype(jnp.float32)
+
+  def finish(y, col0, width):
+    if b32 is not None:
+      y = y + (b32 if width == n else lax.dynamic_slice_in_dim(b32, col0, width))
+    return y.astype(st.out_dtype)
+
+  if st.tp == 1:
+    return finish(local, 0, n)
+  if st.merge == "psum":
+    return finish(lax.psum(local, st.axis_name), 0, n)
+  return _tree_all_reduce(st, local, finish)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _row_parallel(st: _Static, x2, w, bias):
+  return _forward(st, x2, w, bias)
+
+
+def _fwd(st: _Static, x2, w, bias):
+  # The same code as the primal: rollout (forward only) and training give the same bits.
+  return _forward(st, x2, w, bias), (x2, w, bias)
+
+
+def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
+  """The cotangent of the replicated output, whole on every rank.
+
+  ``shard_map(check_vma=False)`` hands each rank a share of a replicated value's cotangent
+  (``1/tp`` of it from ``jax.grad`` around the ``shard_map``; per-rank parts from a
+  vocab-parallel head), the shares summing to the cotangent: the transpose of the forward's
+  gather is their sum. The canonical merge sums them by the same tree as the forward (``tp``
+  equal shares ``g/tp`` sum to ``g`` exactly); ``psum`` is the Megatron transpose.
+  """
+  if st.tp == 1:
+    return g
+  if st.merge == "psum":
+    return lax.psum(g.astype(jnp.float32), st.axis_name).astype(g.dtype)
+  return _tree_all_reduce(st, g.astype(jnp.float32), lambda y, col0, width: y.astype(g.dtype))
+
+
+def _bwd(st: _Static, res, g):
+  x2, w, bias = res
+  g = _full_cotangent(st, g.astype(x2.dtype))
+  n_loc = st.local_chunks
+  w3 = w.reshape(n_loc, w.shape[0] // n_loc, w.shape[1])
+  # Per chunk, like the forward: every TP degree runs the same products of the same shapes.
+  # dx_c = dy @ w_c^T: [M, N] x [N, K/C] (w_c [K/C, N] read as transposed).
+  dx = _chunk_products(st, g, w3, lhs_transposed=False, rhs_transposed=True,
+                       out_dtype=x2.dtype, lhs_stacked=False, rhs_stacked=True)
+  dx = jnp.concatenate(dx, axis=1)
+  # dw_c = x_c^T @ dy: a reduction over tokens, deterministic run to run.
+  dw = jnp.concatenate(_chunk_products(st, _split_k(x2, n_loc), g, lhs_transposed=True,
+                                       rhs_transposed=False, out_dtype=w.dtype,
+                                       lhs_stacked=True, rhs_stacked=False), axis=0)
+  db = None
+  if bias is not None:
+    # The sum of dy over tokens as a det_matmul product (ones^T @ dy): a fixed order,
+    # float32 accumulation, rounded to the input dtype like dw (all that "cuda" returns).
+    ones = jnp.ones((g.shape[0], 1), g.dtype)
+    db = matmul2d(ones, g, lhs_transposed=True, rhs_transposed=False, out_dtype=g.dtype,
+                  implementation=st.implementation)[0].astype(bias.dtype)
+    if st.tp > 1:
+      # shard_map sums a replicated input's cotangent over the ranks: rank 0 alone returns
+      # it, so that sum is exact in any order (the others add zeros).
+      db = jnp.where(lax.axis_index(st.axis_name) == 0, db, jnp.zeros_like(db))
+  return dx, dw, db
+
+
+_row_parallel.defvjp(_fwd, _bwd)
+
+
+def _check_power_of_two(name: str, value: int) -> None:
+  if value & (value - 1):
+    raise ValueError(f"{_OP}: {name} must be a power of two, got {value}")
+
+
+def row_parallel_matmul(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
+                        axis_name: str | None = None,
+                        chunks: int = contract.ROW_PARALLEL_CHUNKS, merge: str = "canonical",
+                        implementation: str | None = None) -> jax.Array:
+  """``x @ w + bias`` in the canonical row-parallel K order (bitwise the same at every TP).
+
+  ``y[..., n] = round( tree_c( sum_{k in chunk c} x[..., k] w[k, n] ) + bias[n] )``: K is
+  cut into ``chunks`` (``C``) equal contiguous chunks; chunk ``c``'s partial is
+  ``det_matmul(x[..., c K/C:(c+1) K/C], w[c K/C:(c+1) K/C], out_dtype=float32)`` (ascending
+  K in the contract's K tile, from zero); the partials are summed in float32 by the fixed
+  adjacent-pair tree ``((P0+P1)+(P2+P3))+((P4+P5)+(P6+P7))``; the bias is added in float32;
+  one rounding to ``x.dtype``.
+
+  Inside ``shard_map`` with ``axis_name`` of size ``p`` (``C % p == 0``), ``x [..., K/p]``
+  and ``w [K/p, N]`` are rank ``r``'s contiguous K slice (chunks ``r C/p ... (r+1) C/p - 1``):
+  the rank sums its chunks' partials (a complete subtree), the ``p`` subtree values are
+  exchanged (all-to-all over ``N/p`` column blocks, finished there, then an all-gather of
+  the rounded columns; an all-gather of the float32 partials when ``p`` does not divide
+  ``N``) and combined by the top ``log2 p`` levels of the same tree. The result is
+  replicated and equals the unsharded call's bits. Runs under ``shard_map(...,
+  check_vma=False)`` (a typed ``check_vma=True`` map is refused with a ValueError: the
+  gathered result is replicated by construction, which its types cannot express).
+
+  Args:
+    x: ``[..., K]`` (``[..., K/p]`` per rank), bfloat16, float16 or float32.
+    w: ``[K, N]`` (``[K/p, N]`` per rank; the ``DetLinear`` kernel layout), dtype of ``x``.
+    bias: optional ``[N]``, added in float32 before the rounding (replicated over ranks).
+    axis_name: the tensor-parallel mesh axis, or None for the unsharded call.
+    chunks: ``C``, a power of two and a multiple of ``p`` dividing ``K``. Part of the
+      numerical contract (``contract.ROW_PARALLEL_CHUNKS``): another value, other bits.
+      Unused by ``merge="psum"``.
+    merge: ``"canonical"`` (the order above) or ``"psum"`` (the Megatron control: one
+      float32 ``det_matmul`` over the rank's ``K/p`` rows, ``lax.psum``, bias, rounding; its
+      bits depend on ``p``).
+    implementation: the ``det_matmul`` implementation of every chunk product (None: by
+      device, decided by the chunk's ``[K/C, N]`` weight shape and dtype).
+
+  Returns:
+    ``[..., N]`` in ``x.dtype``.
+
+  Gradients (``jax.custom_vjp``): per chunk, ``dx_c = dy @ w_c^T`` and ``dw_c = x_c^T @ dy``
+  (``det_matmul`` products), ``dbias = sum dy`` over tokens in a fixed order. Take them
+  with ``jax.grad`` around the ``shard_map`` (as for ``vocab_parallel_linear_logp``): under
+  ``check_vma=False`` each rank then holds a share of the replicated output's cotangent
+  (``dy / p``, or a vocab-parallel head's per-rank part), and the backward rebuilds ``dy``
+  with the forward's exchange and tree (``merge="psum"``: a ``psum``). Each rank's ``dx`` and
+  ``dw`` are then its slices of the unsharded ones, bitwise; ``dbias`` comes from rank 0.
+
+  >>> import jax.numpy as jnp
+  >>> row_parallel_matmul(jnp.ones((2, 16)), jnp.ones((16, 3))).tolist()
+  [[16.0, 16.0, 16.0], [16.0, 16.0, 16.0]]
+  """
+  x = jnp.asarray(x)
+  w = jnp.asarray(w)
+  merge = _validation.check_choice(_OP, "merge", merge, MERGES)
+  chunks = _validation.check_int(_OP, "chunks", chunks, minimum=1)
+  _check_power_of_two("chunks", chunks)
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise TypeError(f"{_OP}: axis_name must be a str or None, got {axis_name!r}")
+  _validation.check_float_array(_OP, "x", x)
+  _validation.check_float_array(_OP, "w", w)
+  if x.ndim < 1:
+    raise ValueError(f"{_OP}: x must have at least 1 dimension [..., K], got shape {x.shape}")
+  if w.ndim != 2:
+    raise ValueError(f"{_OP}: w must be 2-D [K, N], got shape {w.shape}")
+  if x.dtype != w.dtype:
+    raise TypeError(f"{_OP}: x and w must have the same dtype, got x {x.dtype} and w "
+                    f"{w.dtype}; cast one explicitly")
+  k_loc, n = w.shape
+  if x.shape[-1] != k_loc:
+    raise ValueError(f"{_OP}: x has K={x.shape[-1]} (shape {x.shape}) but w [K, N] has "
+                     f"K={k_loc} (shape {w.shape})")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _validation.check_float_array(_OP, "bias", bias)
+    if bias.shape != (n,):
+      raise ValueError(f"{_OP}: bias must have shape ({n},) (w's N), got {bias.shape}")
+  tp = 1 if axis_name is None else _axis_size(axis_name)
+  if axis_name is not None and axis_name in _varying_axes(x) | _varying_axes(w):
+    raise ValueError(f"{_OP}: runs inside shard_map(..., check_vma=False) only; x or w is "
+                     f"typed varying over {axis_name!r}, i.e. the shard_map has "
+                     f"check_vma=True")
+  local_chunks = 1  # psum: one det_matmul over the rank's K rows, whatever chunks says
+  if merge == "canonical":
+    if chunks % tp:
+      raise ValueError(f"{_OP}: chunks={chunks} must be a multiple of the size {tp} of axis "
+                       f"{axis_name!r}")
+    k = k_loc * tp
+    if k % chunks:
+      where = "" if tp == 1 else f" ({tp} ranks x K/p={k_loc})"
+      raise ValueError(f"{_OP}: K={k}{where} must be a multiple of chunks={chunks}")
+    local_chunks = chunks // tp
+  impl = resolve_implementation(implementation, x.dtype, n, k_loc // local_chunks)
+  st = _Static(axis_name=axis_name, tp=tp, local_chunks=local_chunks, merge=merge,
+               implementation=impl, out_dtype=jnp.dtype(x.dtype))
+  lead = x.shape[:-1]
+  x2 = x.reshape(math.prod(lead), k_loc)
+  return _row_parallel(st, x2, w, bias).reshape(*lead, n)

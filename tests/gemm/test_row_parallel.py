@@ -1,0 +1,285 @@
+"""row_parallel_matmul: one K order (C chunks, a fixed pairwise tree) at every TP degree.
+
+CPU, 8 host devices. Inputs reveal any reordering: wide-dynamic-range rows, and rows whose
+products cancel exactly (the result is a pure rounding residue, so any other order of the
+additions shows in the bits, even after rounding to bfloat16).
+"""
+
+import doctest
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxrl_kernels as jk
+from jaxrl_kernels import contract, det_matmul, row_parallel_matmul
+from jaxrl_kernels._compat import shard_map
+from jaxrl_kernels.gemm import row_parallel as row_parallel_module
+from jaxrl_kernels.gemm.reference import matmul_reference
+
+M, K, N = 12, 256, 44  # N = 44: TP 2 and 4 exchange column blocks, TP 8 gathers partials
+TPS = (1, 2, 4, 8)
+
+
+@functools.cache
+def _inputs(dtype, *, m=M, k=K, n=N, seed=0):
+  """``x`` [m, k]: wide-range rows, then rows whose second half cancels the first against
+  ``w`` (``w``'s second half mirrors its first); ``w`` [k, n]; ``bias`` [n]."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  half = wide_rows(ks[0], m, k // 2, jnp.float32)
+  cancel = jnp.concatenate([half, -half[:, ::-1]], -1)
+  x = jnp.concatenate([wide_rows(ks[1], m - m // 2, k, jnp.float32), cancel[m - m // 2:]])
+  v = jax.random.normal(ks[2], (k // 2, n))
+  w = jnp.concatenate([v, v[::-1]], 0)
+  bias = jnp.linspace(-1.0, 1.0, n)
+  return x.astype(dtype), w.astype(dtype), bias.astype(dtype)
+
+
+_op = jax.jit(row_parallel_matmul, static_argnames=("chunks", "merge", "implementation"))
+
+
+@functools.partial(jax.jit, static_argnames=("chunks", "implementation"))
+def _canonical_by_definition(x, w, bias, chunks=contract.ROW_PARALLEL_CHUNKS,
+                             implementation=None):
+  """The contract written out: det_matmul per K chunk in float32, adjacent-pair tree,
+  float32 bias, one rounding."""
+  kc = x.shape[-1] // chunks
+  parts = [det_matmul(x[..., c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
+                      out_dtype=jnp.float32, implementation=implementation)
+           for c in range(chunks)]
+  while len(parts) > 1:
+    parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+  y = parts[0] if bias is None else parts[0] + bias.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+def _mesh(tp):
+  return Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
+
+
+def _sharded(tp, merge="canonical", *, with_bias=True, **kw):
+  """The op on a ``tp``-rank mesh: x split over K, w over its rows, bias replicated."""
+  def body(x, w, b=None):
+    return row_parallel_matmul(x, w, b, axis_name="tp", merge=merge, **kw)
+  specs = (P(None, "tp"), P("tp", None)) + ((P(),) if with_bias else ())
+  return shard_map(body, mesh=_mesh(tp), in_specs=specs, out_specs=P(), check_vma=False)
+
+
+def test_exported_and_docstring_example():
+  assert jk.row_parallel_matmul is row_parallel_matmul
+  assert jk.gemm.row_parallel_matmul is row_parallel_matmul
+  res = doctest.testmod(row_parallel_module, verbose=False)
+  assert res.attempted > 0 and res.failed == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unsharded_is_the_contract_written_out(dtype):
+  x, w, b = _inputs(dtype)
+  assert_bitwise_equal(_op(x, w, b), _canonical_by_definition(x, w, b), f"unsharded {dtype}")
+  # Leading dims are rows; chunks=2 is a different (coarser) tree of the same kind.
+  x3 = x.reshape(3, 4, K)
+  assert_bitwise_equal(_op(x3, w, None, chunks=2),
+                       _canonical_by_definition(x, w, None, chunks=2).reshape(3, 4, N),
+                       "chunks=2, no bias")
+
+
+def test_stacked_chunk_products_are_the_per_chunk_calls():
+  """"interpret" runs the C chunk products as one vmapped Pallas call (a grid axis): each
+  chunk's bits are still those of det_matmul on that chunk alone, forward and dx."""
+  x, w, b = _inputs("float32", m=5, k=64, n=16)
+  out = _op(x, w, b, implementation="interpret")
+  assert_bitwise_equal(out, _canonical_by_definition(x, w, b, implementation="interpret"),
+                       "interpret")
+  cot = jax.random.normal(jax.random.key(9), out.shape)
+  dx, dw, db = jax.jit(jax.grad(
+      lambda *a: jnp.sum(row_parallel_matmul(*a, implementation="interpret") * cot),
+      argnums=(0, 1, 2)))(x, w, b)
+  kc = 64 // contract.ROW_PARALLEL_CHUNKS
+  dx_ref = jax.jit(lambda: jnp.concatenate(
+      [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation="interpret")
+       for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
+  assert_bitwise_equal(dx, dx_ref, "interpret dx")
+  c64, x64 = np.asarray(cot, np.float64), np.asarray(x, np.float64)
+  assert rel_err(dw, x64.T @ c64) <= TOL["float32"][1]
+  assert rel_err(db, c64.sum(0)) <= TOL["float32"][1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_tp_degree_gives_the_unsharded_bits(dtype):
+  x, w, b = _inputs(dtype)
+  ref = _op(x, w, b)
+  for tp in TPS:
+    assert_bitwise_equal(jax.jit(_sharded(tp))(x, w, b), ref, f"TP={tp} {dtype}")
+  assert_bitwise_equal(jax.jit(_sharded(8, with_bias=False))(x, w), _op(x, w, None),
+                       f"TP=8 {dtype} no bias")
+
+
+def test_psum_control_changes_bits_where_canonical_does_not():
+  """The Megatron psum layer's bits depend on TP, and plain det_matmul's single K walk is
+  yet another order: on the cancelling rows the stock paths disagree with the canonical."""
+  for dtype in ("float32", "bfloat16"):
+    x, w, _ = _inputs(dtype)
+    ref = bits(_op(x, w, None))
+    differs = [tp for tp in TPS
+               if not np.array_equal(bits(jax.jit(_sharded(tp, "psum", with_bias=False))(x, w)),
+                                     ref)]
+    assert len(differs) >= 2, f"psum matched the canonical bits at TP {differs} ({dtype})"
+    assert not np.array_equal(bits(jax.jit(det_matmul)(x, w)), ref), dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_are_batch_invariant(dtype):
+  x, w, b = _inputs(dtype)
+  full = np.asarray(_op(x, w, b))
+  for r in (0, 5, 11):
+    assert_bitwise_equal(_op(x[r:r + 1], w, b), full[r:r + 1], f"row {r} alone")
+  assert_bitwise_equal(_op(x[3:10], w, b), full[3:10], "rows 3:10")
+  # Under TP too: a row alone on a 4-rank mesh equals the row inside the unsharded batch.
+  assert_bitwise_equal(jax.jit(_sharded(4))(x[7:8], w, b), full[7:8], "TP=4 row alone")
+  assert_bitwise_equal(_op(x[3], w, b), full[3], "1-D x")
+  assert _op(x[:0], w, b).shape == (0, N)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_accuracy_vs_float64(dtype):
+  ks = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(ks[0], (M, K)).astype(dtype)
+  w = (jax.random.normal(ks[1], (K, N)) / 16).astype(dtype)
+  b = jax.random.normal(ks[2], (N,)).astype(dtype)
+  ref = matmul_reference(x, w) + np.asarray(b, np.float64)
+  assert rel_err(_op(x, w, b), ref) <= TOL[dtype][0]
+
+
+def _grads(fn, x, w, b, cot):
+  return jax.jit(jax.grad(lambda x, w, b: jnp.sum(fn(x, w, b).astype(jnp.float32) * cot),
+                          argnums=(0, 1, 2)))(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradients_through_shard_map_equal_the_unsharded(dtype):
+  """jax.grad around shard_map(check_vma=False): dx, dw, dbias at TP = 1 ... 8 are the
+  unsharded gradients bit for bit, and those match float64 within the contract's tolerance."""
+  x, w, b = _inputs(dtype)
+  cot = jax.random.normal(jax.random.key(4), (M, N))
+  ref = _grads(row_parallel_matmul, x, w, b, cot)
+  for tp in TPS:
+    for name, g, r in zip(("dx", "dw", "dbias"), _grads(_sharded(tp), x, w, b, cot), ref):
+      assert_bitwise_equal(g, r, f"TP={tp} {name} {dtype}")
+  c64 = np.asarray(cot, np.float64)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  for name, g, r in zip(("dx", "dw", "dbias"), ref, (c64 @ w64.T, x64.T @ c64, c64.sum(0))):
+    assert rel_err(g, r) <= TOL[dtype][1], name
+  # The forward inside the training step has the forward-only bits (mode invariance).
+  y, _ = jax.vjp(jax.jit(_sharded(2)), x, w, b)
+  assert_bitwise_equal(y, _op(x, w, b), "forward under vjp")
+
+
+def test_psum_control_gradients_are_correct():
+  x, w, b = _inputs("float32")
+  cot = jax.random.normal(jax.random.key(5), (M, N))
+  ref = _grads(row_parallel_matmul, x, w, b, cot)
+  for name, g, r in zip(("dx", "dw", "dbias"), _grads(_sharded(4, "psum"), x, w, b, cot), ref):
+    assert rel_err(g, r) <= TOL["float32"][1], name
+
+
+def test_bad_arguments_are_named():
+  x, w, b = _inputs("float32")
+  cases = [
+      (dict(chunks=6), ValueError, r"chunks must be a power of two, got 6"),
+      (dict(chunks=0), ValueError, r"chunks must be >= 1, got 0"),
+      (dict(chunks=2.0), TypeError, r"chunks must be an integer, got 2.0"),
+      (dict(merge="mean"), ValueError, r"merge must be one of \('canonical', 'psum'\), "
+                                       r"got 'mean'"),
+      (dict(axis_name=3), TypeError, r"axis_name must be a str or None, got 3"),
+  ]
+  for kw, err, msg in cases:
+    with pytest.raises(err, match=msg):
+      row_parallel_matmul(x, w, b, **kw)
+  with pytest.raises(ValueError, match=r"K=20 must be a multiple of chunks=8"):
+    row_parallel_matmul(x[:, :20], w[:20], b)
+  with pytest.raises(TypeError, match=r"x and w must have the same dtype, got x float32 and "
+                                      r"w bfloat16"):
+    row_parallel_matmul(x, w.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match=r"x must have dtype in .*, got int32"):
+    row_parallel_matmul(x.astype(jnp.int32), w)
+  with pytest.raises(ValueError, match=r"x has K=128 \(shape \(12, 128\)\) but w \[K, N\] has "
+                                       r"K=256"):
+    row_parallel_matmul(x[:, :128], w)
+  with pytest.raises(ValueError, match=r"w must be 2-D \[K, N\], got shape \(256,\)"):
+    row_parallel_matmul(x, w[:, 0])
+  with pytest.raises(ValueError, match=r"bias must have shape \(44,\) \(w's N\), got \(43,\)"):
+    row_parallel_matmul(x, w, b[:43])
+
+
+def test_bad_meshes_are_named():
+  x, w, b = _inputs("float32")
+  with pytest.raises(ValueError, match=r"chunks=2 must be a multiple of the size 4 of axis "
+                                       r"'tp'"):
+    _sharded(4, chunks=2)(x, w, b)
+  # The psum control has no chunks: one det_matmul per rank, at any TP degree.
+  assert rel_err(_sharded(4, "psum", chunks=2)(x, w, b), _op(x, w, b)) <= TOL["float32"][0]
+  # K = 8 ranks x 4 rows: 32 is not a multiple of 64 chunks (a power of two, 64 % 8 == 0).
+  with pytest.raises(ValueError, match=r"K=32 \(8 ranks x K/p=4\) must be a multiple of "
+                                       r"chunks=64"):
+    _sharded(8, chunks=64)(x[:, :32], w[:32], b)
+  typed = shard_map(lambda x, w: row_parallel_matmul(x, w, axis_name="tp"), mesh=_mesh(2),
+                    in_specs=(P(None, "tp"), P("tp", None)), out_specs=P(), check_vma=True)
+  with pytest.raises(ValueError, match=r"check_vma=False\) only; x or w is typed varying over "
+                                       r"'tp'"):
+    typed(x, w)
+
+
+def _gpu_impls():
+  if jax.default_backend() != "gpu":
+    return [None]
+  from jaxrl_kernels._backend import is_hopper
+  return [None, "triton"] + (["mosaic", "cuda"] if is_hopper() else [])
+
+
+# (896, 896): qwen2.5-0.5b's o_proj, K/C = 112 is no Mosaic K (None falls back to Triton).
+_GPU_CASES = [(impl, k, n) for impl in _gpu_impls()
+              for k, n in ((4096, 2048), (14336, 4096), (896, 896))
+              if impl in (None, "triton") or k % (64 * contract.ROW_PARALLEL_CHUNKS) == 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,k,n", _GPU_CASES)
+def test_gpu_kernels_follow_the_contract(impl, k, n):
+  """Each GPU implementation (one launch per chunk, or one vmapped launch for Triton and
+  CUTLASS) gives each chunk the bits of det_matmul on that chunk alone: the forward, dx,
+  and rows at M = 1, 64, 1000."""
+  x, w, b = _inputs("bfloat16", m=1000, k=k, n=n)
+  full = np.asarray(_op(x, w, b, implementation=impl))
+  assert_bitwise_equal(full, _canonical_by_definition(x, w, b, implementation=impl), f"{impl}")
+  for m in (1, 64):
+    assert_bitwise_equal(_op(x[:m], w, b, implementation=impl), full[:m], f"{impl} M={m}")
+  cot = jax.random.normal(jax.random.key(1), (1000, n)).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, implementation=impl), x)
+  kc = k // contract.ROW_PARALLEL_CHUNKS
+  dx_ref = jax.jit(lambda: jnp.concatenate(
+      [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=impl)
+       for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
+  assert_bitwise_equal(vjp(cot)[0], dx_ref, f"{impl} dx")
+  assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_subtrees_rebuild_the_unsharded_result():
+  """TP emulated on one GPU in float32 (where the op's output is its float32 tree value):
+  the subtrees that p ranks compute on their K slices, combined by the top of the tree,
+  are the unsharded result's bits, for p = 2, 4, 8; and a one-device shard_map is too."""
+  x, w, _ = _inputs("float32", m=300, k=2048, n=512)
+  full = _op(x, w, None)
+  for p in (2, 4, 8):
+    kp = 2048 // p
+    subs = jnp.stack([_op(x[:, r * kp:(r + 1) * kp], w[r * kp:(r + 1) * kp], None,
+                          chunks=contract.ROW_PARALLEL_CHUNKS // p) for r in range(p)])
+    while subs.shape[0] > 1:
+      subs = subs[0::2] + subs[1::2]
+    assert_bitwise_equal(subs[0], full, f"emulated TP={p}")
+  assert_bitwise_equal(jax.jit(_sharded(1, with_bias=False))(x, w), full, "shard_map TP=1")
