@@ -86,9 +86,19 @@ def preset_model(args, **kw) -> DecoderLM:
   return models.preset(args.preset, jax.random.key(0), args.dtype, **kw, **over)
 
 
-def _timed(fn, repeats: int) -> float:
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+  """A time-stamped line on stderr (long runs show where they are)."""
+  print(f"[{time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _timed(fn, repeats: int, what: str) -> float:
   """Seconds per call, pipelined (enqueue ``repeats`` calls, block once)."""
-  jax.block_until_ready(fn())  # compile + warm up
+  progress(f"{what}: compile + warm-up call")
+  jax.block_until_ready(fn())
+  progress(f"{what}: {repeats} timed calls")
   t0 = time.perf_counter()
   outs = [fn() for _ in range(repeats)]
   jax.block_until_ready(outs)
@@ -99,11 +109,13 @@ def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check
         score_batch: int) -> dict:
   key = jax.random.key(0)
   t_g = _timed(lambda: sample(model, prompts, lens, max_new_tokens=new_tokens, key=key),
-               repeats)
-  t_1 = _timed(lambda: sample(model, prompts, lens, max_new_tokens=1, key=key), repeats)
+               repeats, f"rollout of {new_tokens} tokens")
+  t_1 = _timed(lambda: sample(model, prompts, lens, max_new_tokens=1, key=key), repeats,
+               "prefill + 1 token")
   row = {"s_per_rollout": t_g, "tok_s": prompts.shape[0] * new_tokens / t_g,
          "step_ms": 1e3 * (t_g - t_1) / max(new_tokens - 1, 1), "prefill_ms": 1e3 * t_1}
   if check:
+    progress("sampler == trainer check")
     res = sample(model, prompts, lens, max_new_tokens=new_tokens, key=key)
     got = score(model, res.tokens, res.completion_mask, batch_size=score_batch, pack=True)
     lp = np.asarray(res.logp)
@@ -137,6 +149,7 @@ def main(argv=None) -> int:
     paths = {k: v for k, v in paths.items() if (v is None) == (args.only == "kernels")}
   rows = {}
   for name, impl in paths.items():
+    progress(name)
     m = with_implementation(model, impl)
     rows[name] = run(m, prompts, lens, new_tokens=args.new_tokens, repeats=args.repeats,
                      check=not args.no_check, score_batch=args.score_batch)

@@ -36,7 +36,7 @@ from flax import nnx
 from jaxrl_kernels.models.decoder import DecoderLM
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from rollout import add_model_args, preset_model, with_implementation  # noqa: E402
+from rollout import add_model_args, preset_model, progress, with_implementation  # noqa: E402
 
 
 def packed_batch(n_tokens: int, row_len: int, vocab: int, seed: int = 0) -> dict:
@@ -91,7 +91,9 @@ def run(model: DecoderLM, batch: dict, *, repeats: int) -> dict:
   opt_state = tx.init(params)
   step = make_step(graphdef, rest, tx, max_docs)
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  progress(f"compiling the step ({int(np.prod(batch['tokens'].shape))} tokens)")
   compiled = step.lower(params, opt_state, batch).compile()
+  progress("compiled; warm-up step")
   mem = compiled.memory_analysis()
   peak = None
   if mem is not None:
@@ -99,6 +101,7 @@ def run(model: DecoderLM, batch: dict, *, repeats: int) -> dict:
             - mem.alias_size_in_bytes)
   params, opt_state, loss = step(params, opt_state, batch)  # warm up
   jax.block_until_ready(loss)
+  progress(f"{repeats} timed steps")
   t0 = time.perf_counter()
   losses = []
   for _ in range(repeats):
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
     paths = {k: v for k, v in paths.items() if (v is None) == (args.only == "kernels")}
   rows = {}
   for name, impl in paths.items():
+    progress(name)
     batch = packed_batch(args.tokens, args.row_len, cfg.vocab_size)
     rows[name] = run(with_implementation(model, impl), batch, repeats=args.repeats)
     print(name, rows[name], flush=True)

@@ -37,8 +37,13 @@ def _parser() -> argparse.ArgumentParser:
   parity.add_parity_arguments(sub.add_parser(
       "parity", help="kernel batch invariance, then every sampled token's log-prob from the "
                      "KV-cache sampler vs the trainer's forward on TinyCausalLM, stock XLA "
-                     "path and jaxrl_kernels (the default command)",
-      description="Kernel batch invariance, then sampler vs trainer log-probs.",
+                     "path and jaxrl_kernels (the default command); --rollout-tp / "
+                     "--train-fsdp: a DecoderLM sampled tensor-parallel, trained fully "
+                     "sharded; --model-fn: a user's model function",
+      description="Kernel batch invariance, then sampler vs trainer log-probs. With "
+                  "--rollout-tp N / --train-fsdp M (or a DecoderLM --model): only the "
+                  "sharded-model section (sampled TP = N, scored FSDP = M and unsharded). "
+                  "With --model-fn: only the user's model function under batch_invariant.",
       formatter_class=fmt))
   parity.add_kernel_arguments(sub.add_parser(
       "kernels", help="kernel batch invariance only",

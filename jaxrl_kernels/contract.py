@@ -64,6 +64,11 @@ ATTENTION_MOSAIC_KEY_TILE = 128
 # over tokens (dW, db, det_matmul's dB) add fixed-shape products of
 # CPU_ROW_BLOCK token rows in ascending order: deterministic run to run.
 CPU_ROW_BLOCK = 128
+# Output columns per product of the "cpu" det_matmul ([CPU_ROW_BLOCK, K] x [K,
+# CPU_COL_BLOCK], the last block zero-padded): XLA's CPU GEMM also picks its K
+# blocking from N, so without a fixed column block a column-parallel shard (N / tp
+# columns) would reduce K in another order than the unsharded layer.
+CPU_COL_BLOCK = 128
 # Vocab columns per logits product of the CPU LM head ([CPU_ROW_BLOCK, H] x
 # [H, CPU_VOCAB_CHUNK]; a multiple of VOCAB_TILE). The last chunk is zero-padded
 # to it, so every logit of a head comes out of the same dot shape.

@@ -16,7 +16,14 @@ Two sections:
    ``logprob_drift`` of trainer vs sampler (max |dlogp|, approx_kl0, clipfrac0,
    bitwise, worst token).
 
-Exit status 0 iff jaxrl_kernels is bitwise in both sections, 1 when it is not,
+With ``--rollout-tp N`` / ``--train-fsdp M``, or ``--model`` naming a Llama / Qwen
+``DecoderLM`` (a ``models`` preset or ``hf:PATH``), only the sharded-model section runs
+instead: sampled with the model tensor-parallel over N devices, scored fully sharded over
+M devices and unsharded (:mod:`jaxrl_kernels.parity_tp`). With ``--model-fn
+module:function``, only a user's model function is checked, under ``batch_invariant``
+(:mod:`jaxrl_kernels.transform.model_fn`).
+
+Exit status 0 iff jaxrl_kernels is bitwise in every section that ran, 1 when it is not,
 2 for arguments that cannot run here (said in one line before any work).
 """
 
@@ -34,6 +41,7 @@ import numpy as np
 
 from jaxrl_kernels import _backend
 from jaxrl_kernels.contract import VOCAB_TILE
+from jaxrl_kernels.models.config import PRESETS
 
 
 def usage_error(message: str) -> None:
@@ -128,7 +136,7 @@ def kernels_report(args) -> bool:
 # ------------------------------------------------------------------------------ parity
 
 
-class _Progress:
+class Progress:
   """A ``rich`` progress bar over the parity stages; plain prints without ``rich``."""
 
   def __init__(self, total: int):
@@ -260,7 +268,7 @@ def parity_report(args, mesh: jax.sharding.Mesh | None = None) -> bool:
                                                 enumerate(variants, 1)))
   paths = (("stock XLA", "xla"), ("jaxrl_kernels", args.implementation))
   reports = {}
-  with _Progress(len(paths) * (2 + len(variants))) as bar:
+  with Progress(len(paths) * (2 + len(variants))) as bar:
     for label, impl in paths:
       bar.stage(f"{label}: build model")
       model = TinyCausalLM(dataclasses.replace(cfg, implementation=impl),
@@ -304,6 +312,37 @@ def parity_report(args, mesh: jax.sharding.Mesh | None = None) -> bool:
 # ------------------------------------------------------------------------------ CLI
 
 
+TINY_LM_PRESETS = ("test", "tiny", "small")
+
+
+def _positive_int(text: str) -> int:
+  """argparse type: an int >= 1 (argparse names the flag in its error)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+  return value
+
+
+def _model_spec(text: str) -> str:
+  """argparse type: a TinyCausalLM preset, a models preset, or ``hf:PATH``."""
+  if text in TINY_LM_PRESETS or text in PRESETS or (text.startswith("hf:") and len(text) > 3):
+    return text
+  raise argparse.ArgumentTypeError(
+      f"must be one of {', '.join(TINY_LM_PRESETS + tuple(sorted(PRESETS)))} or hf:PATH, got "
+      f"{text!r}")
+
+
+def _model_fn_spec(text: str) -> str:
+  """argparse type: ``module:function``."""
+  module, _, fn = text.partition(":")
+  if not module or not fn or ":" in fn:
+    raise argparse.ArgumentTypeError(f"must be 'module:function', got {text!r}")
+  return text
+
+
 def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--implementation", default=None, choices=_backend.IMPLEMENTATIONS,
                  help="jaxrl_kernels' implementation (default: the device's default)")
@@ -316,8 +355,11 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parity_arguments(p: argparse.ArgumentParser) -> None:
   add_kernel_arguments(p)
-  p.add_argument("--model", default="tiny", choices=["test", "tiny", "small"],
-                 help="TinyLMConfig preset")
+  p.add_argument("--model", default="tiny", type=_model_spec, metavar="MODEL",
+                 help="test, tiny, small: a TinyCausalLM preset; a models preset "
+                      f"({', '.join(sorted(PRESETS))}) or hf:PATH (a local Hugging Face "
+                      "folder): a DecoderLM, checked as with --rollout-tp 1 --train-fsdp 1; "
+                      "with --rollout-tp / --train-fsdp, tiny is a 2-layer DecoderLM")
   p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"],
                  help="the model's parameter/activation dtype")
   p.add_argument("--vocab-size", type=int, default=None,
@@ -332,6 +374,16 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1,
                  help="also recompute with the LM head vocab-parallel over N devices")
+  p.add_argument("--rollout-tp", type=_positive_int, default=None, metavar="N",
+                 help="sample with the whole DecoderLM tensor-parallel over N devices "
+                      "(models.shard), then score as --train-fsdp says; only this section "
+                      "runs (None: 1 when --train-fsdp is given)")
+  p.add_argument("--train-fsdp", type=_positive_int, default=None, metavar="M",
+                 help="score the samples with the DecoderLM fully sharded over M devices "
+                      "and unsharded (None: 1 when --rollout-tp is given)")
+  p.add_argument("--model-fn", type=_model_fn_spec, default=None, metavar="MODULE:FUNCTION",
+                 help="check a user's model function (docs/transform.md, parity protocol) "
+                      "under batch_invariant instead; only this section runs")
 
 
 def needs_no_fma_flag(implementation: str | None) -> bool:
@@ -371,12 +423,79 @@ def run_kernels(args) -> int:
   return 0 if kernels_report(args) else 1
 
 
+def run_model_fn(args) -> int:
+  """``parity --model-fn module:function``: the user's model under ``batch_invariant``."""
+  try:
+    from jaxrl_kernels.transform import model_fn
+  except ImportError as e:
+    usage_error(f"--model-fn needs jaxrl_kernels.transform.model_fn, which this "
+                f"installation cannot import: {e}")
+  select_device(args.device)
+  try:  # the user's module, its function and what it returns, checked before any work
+    model_fn.load(args.model_fn, seed=args.seed)
+  except (ImportError, AttributeError, TypeError, ValueError) as e:
+    usage_error(f"--model-fn {args.model_fn}: {e}")
+  header("on-policy parity report")
+  t0 = time.perf_counter()
+  with Progress(5) as bar:
+    ok = model_fn.parity_report(args.model_fn, implementation=args.implementation,
+                                seed=args.seed, batch=args.batch, prompt_len=args.prompt_len,
+                                new_tokens=args.new_tokens, progress=bar.stage)
+    bar.finish()
+  print(f"({time.perf_counter() - t0:.1f}s)")
+  return 0 if ok else 1
+
+
+def run_sharded(args) -> int:
+  """``parity --rollout-tp N --train-fsdp M`` (or ``--model PRESET|hf:PATH``): the
+  DecoderLM sampled TP = N, scored FSDP = M and unsharded (:mod:`jaxrl_kernels.parity_tp`)."""
+  from jaxrl_kernels import parity_tp
+
+  n, m = args.rollout_tp or 1, args.train_fsdp or 1
+  for flag, bad in (("--tp", args.tp > 1), ("--params", args.params is not None),
+                    ("--vocab-size", args.vocab_size is not None)):
+    if bad:
+      usage_error(f"{flag} belongs to the TinyCausalLM check; the sharded DecoderLM check "
+                  f"(--rollout-tp / --train-fsdp / --model {args.model}) does not take it")
+  try:
+    cfg = parity_tp.model_config(args.model)
+  except (OSError, ValueError) as e:
+    usage_error(f"--model {args.model}: {e}")
+  select_device(args.device, max(n, m))
+  problem = parity_tp.check_layout(cfg, rollout_tp=n, train_fsdp=m,
+                                   num_devices=len(jax.devices()))
+  if problem:
+    usage_error(problem)
+  header("on-policy parity report")
+  t0 = time.perf_counter()
+  build = dict(dtype=args.model_dtype, seed=args.seed)
+  stages = 3 * (1 + (n > 1) + 1) + 1
+  with Progress(stages) as bar:
+    bar.stage(f"build {args.model} (kernels and stock XLA)")
+    model = parity_tp.build_model(args.model, implementation=args.implementation, **build)
+    stock = parity_tp.build_model(args.model, implementation="xla", **build)
+    ok = parity_tp.tp_report(model, rollout_tp=n, train_fsdp=m, stock_model=stock,
+                             seed=args.seed, batch=args.batch, prompt_len=args.prompt_len,
+                             new_tokens=args.new_tokens, temperature=args.temperature,
+                             progress=bar.stage, label=args.model)
+    bar.finish()
+  print(f"({time.perf_counter() - t0:.1f}s)")
+  return 0 if ok else 1
+
+
 def run_parity(args) -> int:
   for name in ("batch", "prompt_len", "new_tokens", "tp"):
     if getattr(args, name) < 1:
       usage_error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if args.vocab_size is not None and args.vocab_size < 2:
     usage_error(f"--vocab-size must be >= 2, got {args.vocab_size}")
+  if args.model_fn is not None:
+    if args.rollout_tp or args.train_fsdp:
+      usage_error("--model-fn checks a user's model function; it does not take "
+                  "--rollout-tp / --train-fsdp")
+    return run_model_fn(args)
+  if args.rollout_tp or args.train_fsdp or args.model not in TINY_LM_PRESETS:
+    return run_sharded(args)
   from jaxrl_kernels.nn.tiny_lm import TinyLMConfig
   # Everything that can refuse the arguments runs before the first kernel compiles.
   model_vocab_size(TinyLMConfig.preset(args.model).vocab_size, args.vocab_size, args.tp)

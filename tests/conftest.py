@@ -1,5 +1,9 @@
-"""Test configuration: an 8-device host mesh, the persistent compile cache, and the
-``gpu`` / ``hopper`` markers, which skip with a reason where the device is missing."""
+"""Test configuration: an 8-device host mesh, the persistent compile cache, no hypothesis
+example database, and the ``gpu`` / ``hopper`` markers, which skip with a reason where the
+device is missing.
+
+Safe under pytest-xdist (CI runs ``-n 2``): every worker process has its own compile cache
+folder, and nothing here writes to a fixed path."""
 
 import atexit
 import gc
@@ -7,6 +11,7 @@ import os
 import shutil
 import tempfile
 
+import hypothesis
 import jax
 import pytest
 
@@ -25,19 +30,24 @@ os.environ["XLA_FLAGS"] = _backend.no_fma_xla_flags()
 # CI time on 2 cores is mostly XLA compiling interpreted kernels: programs that take over a
 # second to compile are kept on disk for the session, so a later test (or a module after
 # the caches below are cleared) with the same program loads it instead (same executable,
-# same bits). The folder is removed when the session's process exits.
+# same bits). One folder per process (each xdist worker has its own: JAX's cache takes no
+# lock between processes), removed when the process exits.
 _CACHE_DIR = tempfile.mkdtemp(prefix="jaxrl-kernels-xla-")
 atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+# No example database: xdist workers would share its folder in the working directory, and a
+# run's examples must not depend on the runs before it.
+hypothesis.settings.register_profile("jaxrl_kernels", database=None)
+hypothesis.settings.load_profile("jaxrl_kernels")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-  """Drops JAX's in-memory caches after each test module: the suite compiles thousands of
-  programs, and with all of them kept later tests ran slower (tests/test_main.py: 137 s
-  inside the suite, 59 s alone). With this and the disk cache, the suite on the 2-core CPU
-  machine went from 18.8 to 14.4 min (the CUDA build test included)."""
+  """Drops JAX's in-memory caches after each test module (per xdist worker): the suite
+  compiles thousands of programs, and with all of them kept every later compilation and
+  dispatch slows down (tests/test_main.py ran twice as long late in a serial run as alone).
+  The disk cache above keeps the expensive programs."""
   yield
   jax.clear_caches()
   gc.collect()

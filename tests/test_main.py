@@ -166,9 +166,9 @@ def test_grpo_demo_gets_its_arguments(monkeypatch):
 
 
 def test_progress_falls_back_to_prints_without_rich(capsys, monkeypatch):
-  from jaxrl_kernels.parity import _Progress
+  from jaxrl_kernels.parity import Progress
   monkeypatch.setitem(sys.modules, "rich.progress", None)  # `import rich.progress` fails
-  with _Progress(2) as bar:
+  with Progress(2) as bar:
     bar.stage("sample")
     bar.stage("score")
     bar.finish()
@@ -188,3 +188,129 @@ def test_package_ships_py_typed():
   assert not any("orbax" in d for d in deps) and any(d.startswith("flax>=0.12,<0.13") for d in deps)
   assert project["project"]["optional-dependencies"]["orbax"] == ["orbax-checkpoint"]
   assert project["project"]["version"] == jaxrl_kernels.__version__
+
+
+# ------------------------------------------- sharded models: --rollout-tp / --train-fsdp
+
+SHARDED = ["parity", "--batch", "4", "--prompt-len", "4", "--new-tokens", "3"]
+
+
+def test_rollout_tp_against_train_fsdp_on_the_tiny_default(capsys):
+  assert main([*SHARDED, "--rollout-tp", "2", "--train-fsdp", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "== rollout TP=2 vs training FSDP=2: tiny (V=1000, H=64, layers=2, float32)" in out
+  assert "== kernels" not in out and "TinyCausalLM" not in out  # only this section runs
+  rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
+  ours = [r for r in rows if r[0] == "jaxrl_kernels"]
+  assert len(ours) == 2 and all("yes" in r and "12/12" in r for r in ours)
+  # The controls are printed beside it (psum merge at TP=2, stock XLA).
+  assert sum(r[:2] == ["psum", "merge"] for r in rows) == 2
+  assert sum(r[:2] == ["stock", "XLA"] for r in rows) == 2
+  assert "FSDP=2, packed" in out and "unsharded, chunks of 1" in out
+  assert "is bitwise on-policy, every sampled token" in out
+
+
+def test_rollout_tp_exits_nonzero_when_the_fsdp_trainer_drifts(capsys, monkeypatch):
+  from jaxrl_kernels.models import ShardedDecoderLM
+  score = jaxrl_kernels.nn.sampler.score
+
+  def fsdp_one_ulp_off(model, *a, **kw):
+    out = score(model, *a, **kw)
+    if isinstance(model, ShardedDecoderLM) and model.parallelism.fsdp:
+      out = np.where(out != 0, np.nextafter(out, np.float32(0)), out)
+    return out
+
+  monkeypatch.setattr(jaxrl_kernels.nn.sampler, "score", fsdp_one_ulp_off)
+  assert main([*SHARDED, "--rollout-tp", "2", "--train-fsdp", "2"]) == 1
+  out = capsys.readouterr().out
+  rows = [line.split() for line in out.splitlines() if line.startswith("  jaxrl_kernels")]
+  assert "NO" in rows[0] and "0/12" in " ".join(rows[0]) and "yes" in rows[1]
+  assert "NOT bitwise on-policy here" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout-tp", "0"], "argument --rollout-tp: must be an int >= 1, got '0'"),
+    (["--train-fsdp", "two"], "argument --train-fsdp: must be an int >= 1, got 'two'"),
+    (["--model", "gpt-9"], "argument --model: must be one of test, tiny, small, "),
+    (["--model-fn", "no_function"], "argument --model-fn: must be 'module:function', got "
+                                    "'no_function'"),
+])
+def test_bad_values_of_the_new_flags_are_argparse_errors(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["parity", *argv])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout-tp", "16"], "--rollout-tp 16 needs 16 devices, JAX sees 8"),
+    (["--train-fsdp", "2", "--rollout-tp", "3"],
+     "--rollout-tp 3 must divide the 8 canonical row-parallel K chunks"),
+    (["--rollout-tp", "2", "--tp", "2"], "--tp belongs to the TinyCausalLM check"),
+    (["--model", "hf:/nonexistent/folder"], "--model hf:/nonexistent/folder: "),
+    (["--model-fn", "no_such_module_xyz:build"],
+     "--model-fn no_such_module_xyz:build: model_fn: cannot import module "
+     "'no_such_module_xyz'"),
+    (["--model-fn", "json:no_such_function"],
+     "--model-fn json:no_such_function: model_fn: module 'json' has no attribute "
+     "'no_such_function'"),
+    (["--model-fn", "json:loads", "--rollout-tp", "2"], "--model-fn checks a user's model "
+                                                        "function; it does not take"),
+])
+def test_sharded_and_model_fn_arguments_are_refused_before_any_work(argv, message, capsys):
+  t0 = time.perf_counter()
+  with pytest.raises(SystemExit) as e:
+    main(["parity", *argv])
+  assert e.value.code == 2 and time.perf_counter() - t0 < 5
+  out, err = capsys.readouterr()
+  assert out == "" and err.count("\n") == 1 and message in err
+
+
+MODEL_FN = '''
+import jax.numpy as jnp
+import numpy as np
+
+
+class Bigram:
+  """logits = embed[token] @ w: a model function with a GEMM for batch_invariant."""
+
+  def forward(self, params, tokens):
+    return params["embed"][tokens] @ params["w"]
+
+  def init_cache(self, params, batch, max_len):
+    return jnp.zeros((batch,), jnp.int32)
+
+  def decode(self, params, cache, token, position):
+    return params["embed"][token] @ params["w"], cache
+
+
+def build(seed):
+  rng = np.random.default_rng(seed)
+  params = {"embed": jnp.asarray(rng.normal(size=(64, 32)) * 2.0 ** rng.integers(-8, 8, (64, 1)),
+                                 jnp.float32),
+            "w": jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)}
+  return params, Bigram()
+'''
+
+
+def test_model_fn_runs_a_users_model_function(tmp_path, monkeypatch, capsys):
+  (tmp_path / "user_bigram.py").write_text(MODEL_FN)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert main(["parity", "--model-fn", "user_bigram:build", "--batch", "3", "--prompt-len", "3",
+               "--new-tokens", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "on-policy parity of user_bigram:build" in out and "== kernels" not in out
+  assert "batch_invariant(user_bigram:build) is bitwise on-policy" in out
+
+
+def test_model_fn_exit_status_follows_the_report(monkeypatch, tmp_path):
+  from jaxrl_kernels.transform import model_fn
+  (tmp_path / "user_bigram.py").write_text(MODEL_FN)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  seen = []
+  monkeypatch.setattr(model_fn, "parity_report",
+                      lambda spec, **kw: seen.append((spec, kw)) or False)
+  assert main(["parity", "--model-fn", "user_bigram:build", "--seed", "3"]) == 1
+  spec, kw = seen[0]
+  assert spec == "user_bigram:build" and kw["seed"] == 3 and kw["batch"] == 8
+  assert callable(kw["progress"])

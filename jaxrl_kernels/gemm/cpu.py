@@ -4,14 +4,17 @@
 to float32, exactly):
 
 * rows of the result (``lhs_transposed=False``): the rows of ``lhs`` are
-  zero-padded to a multiple of ``CPU_ROW_BLOCK`` and each block is one dot of
-  shape ``[CPU_ROW_BLOCK, K] x [K, N]`` in a ``lax.fori_loop``. XLA's CPU GEMM
-  fixes its blocking (so each output element's order of additions) by the
-  operand shapes, which are now the same for every batch size; within a block
-  a row's result does not depend on its position or on the other rows (the
-  tests check both). So each output row is a function of its input row and
-  the weight only: batch-, position-, padding-, chunk- and mode-invariant,
-  with XLA's default flags (see ``jaxrl_kernels/_cpu.py`` on FMA contraction).
+  zero-padded to a multiple of ``CPU_ROW_BLOCK``, the columns of the weight to a
+  multiple of ``CPU_COL_BLOCK``, and each (row block, column block) pair is one
+  dot of shape ``[CPU_ROW_BLOCK, K] x [K, CPU_COL_BLOCK]`` in a
+  ``lax.fori_loop``. XLA's CPU GEMM fixes its blocking (so each output
+  element's order of additions) by the operand shapes, which are now the same
+  for every batch size and every number of columns; within a block an
+  element's result does not depend on its position or on the other rows and
+  columns (the tests check both). So each output element is a function of its
+  input row and weight column only: batch-, position-, padding-, chunk- and
+  mode-invariant, and the same in a column-parallel shard of the weight, with
+  XLA's default flags (see ``jaxrl_kernels/_cpu.py`` on FMA contraction).
   The weight is upcast to float32 once per call (a ``[K, N]`` float32 copy for
   16-bit weights).
 * reductions over rows (``lhs_transposed=True``, the dB product ``lhs^T
@@ -36,6 +39,7 @@ from jaxrl_kernels._cpu import (
   to_storage,
   varying_like,
 )
+from jaxrl_kernels.contract import CPU_COL_BLOCK
 
 
 def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
@@ -68,20 +72,24 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
 def _row_blocks(lhs, rhs, *, rhs_transposed: bool, out_dtype) -> jax.Array:
   m = lhs.shape[0]
   n = rhs.shape[0] if rhs_transposed else rhs.shape[1]
-  rb = CPU_ROW_BLOCK
+  rb, cb = CPU_ROW_BLOCK, CPU_COL_BLOCK
   x = pad_rows(lhs, rb)
-  w = rhs.astype(jnp.float32)
-  contract = ((1,), (1,)) if rhs_transposed else ((1,), (0,))
+  # The weight as [N_pad, K] (column blocks are row slices of it): zero columns add
+  # output columns that are sliced off.
+  w = pad_rows(rhs if rhs_transposed else rhs.T, cb).astype(jnp.float32)
+  n_col = w.shape[0] // cb
   zero = opaque_zero(w)
 
-  def block(i, out):
+  def block(idx, out):
+    i, j = idx // n_col, idx % n_col
     xb = lax.dynamic_slice_in_dim(x, i * rb, rb)
-    y = dot_f32(xb, w, contract, zero)
-    return lax.dynamic_update_slice_in_dim(out, to_storage(y, out_dtype), i * rb, 0)
+    wb = lax.dynamic_slice_in_dim(w, j * cb, cb)
+    y = dot_f32(xb, wb, ((1,), (1,)), zero)
+    return lax.dynamic_update_slice(out, to_storage(y, out_dtype), (i * rb, j * cb))
 
-  out = varying_like(jnp.zeros((x.shape[0], n), storage_dtype(out_dtype)), x, w)
-  out = lax.fori_loop(0, x.shape[0] // rb, block, out)
-  return from_storage(out[:m], out_dtype)
+  out = varying_like(jnp.zeros((x.shape[0], w.shape[0]), storage_dtype(out_dtype)), x, w)
+  out = lax.fori_loop(0, (x.shape[0] // rb) * n_col, block, out)
+  return from_storage(out[:m, :n], out_dtype)
 
 
 def _reduce_rows(lhs, rhs, *, rhs_transposed: bool, out_dtype) -> jax.Array:

@@ -1,5 +1,6 @@
 """Llama / Qwen2 / Qwen3 decoders on the batch-invariant ops, loaded from and saved to
-Hugging Face folders (docs/models.md)."""
+Hugging Face folders (docs/models.md), and sharded over a mesh with the same bits
+(``shard``; docs/tp.md)."""
 
 from jaxrl_kernels.models.config import PRESETS as PRESETS
 from jaxrl_kernels.models.config import DecoderConfig as DecoderConfig
@@ -9,3 +10,6 @@ from jaxrl_kernels.models.decoder import DecoderLM as DecoderLM
 from jaxrl_kernels.models.hf import from_pretrained as from_pretrained
 from jaxrl_kernels.models.hf import preset as preset
 from jaxrl_kernels.models.hf import save_pretrained as save_pretrained
+from jaxrl_kernels.models.parallel import Parallelism as Parallelism
+from jaxrl_kernels.models.parallel import ShardedDecoderLM as ShardedDecoderLM
+from jaxrl_kernels.models.parallel import shard as shard

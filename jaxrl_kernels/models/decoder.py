@@ -13,6 +13,12 @@ the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCa
 * every projection runs on ``det_matmul`` (:class:`~jaxrl_kernels.nn.DetLinear`),
   the head on ``linear_logp`` (:class:`~jaxrl_kernels.nn.LMHead`): a row's bits
   do not depend on the other rows;
+* ``o_proj`` and ``down_proj`` (the layers a tensor-parallel model splits over
+  their K axis) reduce K in the canonical row-parallel order of
+  :func:`~jaxrl_kernels.gemm.row_parallel_matmul`: ``row_chunks``
+  contiguous K chunks, each a float32 ``det_matmul``, summed by a fixed pairwise
+  tree. A model sharded over TP = 1, 2, 4, 8 (:func:`jaxrl_kernels.models.shard`)
+  reduces in the same order, so its bits are these;
 * RMSNorm's sum of squares is a written-out pairwise tree over the feature axis
   (:func:`tree_sum`: ``log2 H`` elementwise adds, the same order for every
   shape), rotary is elementwise from the integer position;
@@ -40,8 +46,10 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxrl_kernels import _backend
+from jaxrl_kernels import _backend, contract
+from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.attention import causal_attention
+from jaxrl_kernels.gemm import det_matmul, row_parallel_matmul
 from jaxrl_kernels.models.config import DecoderConfig
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
@@ -89,7 +97,12 @@ class RMSNorm(nnx.Module):
     if self.implementation == "xla":
       ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     else:
-      ms = (tree_sum(x32 * x32) / jnp.float32(x.shape[-1]))[..., None]
+      # Guards (see jaxrl_kernels/_cpu.py): no square meets the add of the tree, and the
+      # mean (``/ n`` may become ``* (1 / n)``) does not meet ``+ eps``, in any fusion: XLA's
+      # CPU compiler would otherwise contract them into FMAs in one program (the decode
+      # step) and not in another (the trainer's forward).
+      zero = opaque_zero(x32)
+      ms = guard(tree_sum(guard(x32 * x32, zero)) / jnp.float32(x.shape[-1]), zero)[..., None]
     y = x32 * lax.rsqrt(ms + jnp.float32(self.eps))
     return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
 
@@ -99,7 +112,8 @@ def _inv_freq(config: DecoderConfig) -> np.ndarray:
   return config.inv_freq()
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *,
+         guarded: bool = True) -> jax.Array:
   """``transformers``' rotary embedding of ``x [B, T, heads, d]`` at ``positions [B, T]``.
 
   ``angle = position * inv_freq`` in float32, ``x cos + rotate_half(x) sin``
@@ -107,20 +121,80 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
   ``x``'s dtype at the end (``transformers`` rounds ``cos``/``sin`` and each
   product to the activation dtype; one rounding keeps the bits independent of
   XLA's fusion, see :class:`RMSNorm`). Elementwise: the same bits for a token
-  wherever it is computed.
+  wherever it is computed. ``guarded`` keeps the two products out of their sum's
+  FMA (``_cpu.guard``; the stock path passes False).
   """
   ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
   emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
   x32 = x.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+  a, b = x32 * jnp.cos(emb), rotated * jnp.sin(emb)
+  if guarded:
+    zero = opaque_zero(x32)
+    a, b = guard(a, zero), guard(b, zero)
+  return (a + b).astype(x.dtype)
 
 
 def _linear(din, dout, axes, *, bias, dtype, param_dtype, implementation, rngs):
   layer = DetLinear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                     kernel_init=nnx.initializers.normal(_INIT_STD),
                     implementation=implementation, rngs=rngs)
+  layer.kernel.set_metadata(logical_axes=axes)
+  if bias:
+    layer.bias.set_metadata(logical_axes=axes[1:])
+  return layer
+
+
+class RowParallelLinear(nnx.Module):
+  """``y = x @ kernel + bias`` with K reduced in the canonical row-parallel order.
+
+  The parameters are :class:`~jaxrl_kernels.nn.DetLinear`'s (``kernel [in, out]``,
+  ``bias [out]``, the same initialisers and names), so checkpoints do not change.
+  The product is :func:`row_parallel_matmul` with ``chunks`` K chunks: float32
+  partials of contiguous K chunks, a fixed pairwise tree over them, ``+ bias`` in
+  float32, one rounding to ``dtype``. ``axis_name`` (set by
+  :func:`jaxrl_kernels.models.shard` on its own copy of the model) makes the layer
+  row-parallel inside ``shard_map``: this device holds a contiguous slice of K and
+  the partials are combined by the same tree (``merge="canonical"``), or by a
+  ``psum`` (``merge="psum"``, the Megatron layer, whose bits depend on the TP
+  degree). ``chunks=1`` outside ``shard_map``, and ``implementation="xla"`` (the
+  stock path), compute ``DetLinear``'s ``det_matmul(x, kernel) + bias`` instead.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+               param_dtype, chunks: int, implementation: str | None, rngs: nnx.Rngs):
+    self.in_features = in_features
+    self.out_features = out_features
+    self.dtype = dtype
+    self.chunks = chunks
+    self.implementation = implementation
+    self.axis_name: str | None = None
+    self.merge = "canonical"
+    self.kernel = nnx.Param(nnx.initializers.normal(_INIT_STD)(
+        rngs.params(), (in_features, out_features), param_dtype))
+    # One key per parameter, as DetLinear draws them: preset weights do not change.
+    self.bias = (nnx.Param(nnx.initializers.zeros_init()(rngs.params(), (out_features,),
+                                                         param_dtype))
+                 if use_bias else None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """``x [..., in]`` (this device's K slice inside ``shard_map``) -> ``[..., out]`` in
+    ``dtype``."""
+    dtype = self.dtype
+    kernel = self.kernel[...].astype(dtype)
+    bias = None if self.bias is None else self.bias[...].astype(dtype)
+    x = x.astype(dtype)
+    if self.axis_name is None and (self.chunks == 1 or self.implementation == "xla"):
+      y = det_matmul(x, kernel, implementation=self.implementation)
+      return y if bias is None else y + bias
+    return row_parallel_matmul(x, kernel, bias, axis_name=self.axis_name, chunks=self.chunks,
+                               merge=self.merge, implementation=self.implementation)
+
+
+def _row_linear(din, dout, axes, *, bias, dtype, param_dtype, chunks, implementation, rngs):
+  layer = RowParallelLinear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                            chunks=chunks, implementation=implementation, rngs=rngs)
   layer.kernel.set_metadata(logical_axes=axes)
   if bias:
     layer.bias.set_metadata(logical_axes=axes[1:])
@@ -145,7 +219,8 @@ def _stock_attention(q, k, v, kv_lengths, *, causal: bool):
 class Attention(nnx.Module):
   """GQA self-attention: ``q/k/v_proj``, optional ``q_norm``/``k_norm``, rotary, ``o_proj``."""
 
-  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
+               rngs):
     lin = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
     h = cfg.hidden_size
     self.cfg = cfg
@@ -154,7 +229,8 @@ class Attention(nnx.Module):
     self.k_proj = _linear(h, cfg.kv_dim, ("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
     self.v_proj = _linear(h, cfg.kv_dim, ("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
     o_bias = cfg.attention_bias and cfg.model_type == "llama"
-    self.o_proj = _linear(cfg.q_dim, h, ("q_heads", "embed"), bias=o_bias, **lin)
+    self.o_proj = _row_linear(cfg.q_dim, h, ("q_heads", "embed"), bias=o_bias,
+                              chunks=row_chunks, **lin)
     if cfg.qk_norm:
       norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, implementation=implementation,
                   axis_name="head_dim")
@@ -165,16 +241,19 @@ class Attention(nnx.Module):
 
   def qkv(self, x: jax.Array, positions: jax.Array):
     """``x [B, T, H]`` (normed) at ``positions [B, T]`` -> rotated ``q [B, T, Hq, d]``,
-    ``k, v [B, T, Hkv, d]``."""
+    ``k, v [B, T, Hkv, d]`` (under tensor parallelism: this device's heads, as many as
+    its q/k/v kernels hold)."""
     cfg = self.cfg
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    q = self.q_proj(x).reshape(b, t, -1, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, -1, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, -1, cfg.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = _inv_freq(cfg)
-    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+    guarded = self.implementation != "xla"
+    return (rope(q, positions, inv_freq, guarded=guarded),
+            rope(k, positions, inv_freq, guarded=guarded), v)
 
   def attend(self, q, k, v, *, q_positions=None, kv_lengths=None):
     """Causal attention of ``q`` on keys from position 0 (see ``causal_attention``)."""
@@ -188,19 +267,20 @@ class Attention(nnx.Module):
 
   def out(self, attn: jax.Array) -> jax.Array:
     b, t = attn.shape[:2]
-    return self.o_proj(attn.reshape(b, t, self.cfg.q_dim))
+    return self.o_proj(attn.reshape(b, t, -1))
 
 
 class MLP(nnx.Module):
   """SwiGLU: ``down(silu(gate(x)) * up(x))`` (``silu(g) * u`` in float32, one rounding)."""
 
-  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
+               rngs):
     lin = dict(bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype,
                implementation=implementation, rngs=rngs)
     h, i = cfg.hidden_size, cfg.intermediate_size
     self.gate_proj = _linear(h, i, ("embed", "mlp"), **lin)
     self.up_proj = _linear(h, i, ("embed", "mlp"), **lin)
-    self.down_proj = _linear(i, h, ("mlp", "embed"), **lin)
+    self.down_proj = _row_linear(i, h, ("mlp", "embed"), chunks=row_chunks, **lin)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     g, u = self.gate_proj(x), self.up_proj(x)
@@ -211,8 +291,10 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
-  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
-    kw = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
+               rngs):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation,
+              row_chunks=row_chunks, rngs=rngs)
     norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, implementation=implementation)
     self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
     self.self_attn = Attention(cfg, **kw)
@@ -243,6 +325,43 @@ class DecoderLayer(nnx.Module):
     attn = self.self_attn.attend(q, cache_k, cache_v, q_positions=lengths[:, None],
                                  kv_lengths=lengths + 1)
     return self._rest(x, attn), cache_k, cache_v
+
+
+def _check_row_chunks(cfg: DecoderConfig, row_chunks) -> None:
+  if (not isinstance(row_chunks, int | np.integer) or isinstance(row_chunks, bool)
+      or row_chunks < 1 or row_chunks & (row_chunks - 1)):
+    raise ValueError(f"DecoderLM: row_chunks must be a power of two >= 1, got {row_chunks!r}")
+  for name, k in (("q_dim (num_attention_heads * head_dim) of o_proj", cfg.q_dim),
+                  ("intermediate_size of down_proj", cfg.intermediate_size)):
+    if k % row_chunks:
+      raise ValueError(f"DecoderLM: row_chunks={row_chunks} must divide the {name}, which is "
+                       f"{k}; pass a smaller power of two")
+
+
+def layout(tokens, positions, segment_ids, max_docs, *, op: str = "DecoderLM"
+           ) -> tuple[jax.Array, jax.Array, Documents | None]:
+  """Checks a full-sequence layout and returns ``(tokens, positions [B, T], docs)``:
+  ``docs`` is None for rows that are one document each from column 0 (no
+  ``positions``/``segment_ids``), else the :class:`Documents` the attention uses."""
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != 2:
+    raise ValueError(f"{op}: tokens must be [B, T], got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise TypeError(f"{op}: tokens must be integers, got {tokens.dtype}")
+  b, t = tokens.shape
+  arange = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  if positions is None and segment_ids is None:
+    return tokens, arange, None
+  positions = arange if positions is None else jnp.asarray(positions)
+  segment_ids = (jnp.zeros((b, t), jnp.int32) if segment_ids is None
+                 else jnp.asarray(segment_ids))
+  for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+    if x.shape != (b, t):
+      raise ValueError(f"{op}: {name} must have shape {(b, t)}, got {x.shape}")
+  max_docs = b if max_docs is None else max_docs
+  if not isinstance(max_docs, int) or isinstance(max_docs, bool) or max_docs < 1:
+    raise ValueError(f"{op}: max_docs must be a static int >= 1, got {max_docs!r}")
+  return tokens, positions, documents(positions, segment_ids, max_docs, op=op)
 
 
 def _layer_forward(layer, x, positions, docs):
@@ -277,11 +396,16 @@ class DecoderLM(nnx.Module):
       device; ``"xla"``: the stock path, see the module docstring).
     remat: recompute each layer's activations in the backward pass (``nnx.remat``)
       instead of storing them: less memory for training, the same bits.
+    row_chunks: the K chunks of ``o_proj`` and ``down_proj``'s canonical
+      row-parallel order (a power of two dividing ``q_dim`` and
+      ``intermediate_size``); a model sharded over TP = p needs ``p`` to divide it.
+      ``1``: plain ``det_matmul`` (the same parameters; then only TP = 1).
     rngs: initialises the weights (normal, std 0.02; norms at 1).
   """
 
   def __init__(self, config: DecoderConfig, *, dtype="float32", param_dtype=None,
-               implementation: str | None = None, remat: bool = False, rngs: nnx.Rngs):
+               implementation: str | None = None, remat: bool = False,
+               row_chunks: int = contract.ROW_PARALLEL_CHUNKS, rngs: nnx.Rngs):
     if not isinstance(config, DecoderConfig):
       raise TypeError(f"DecoderLM: config must be a DecoderConfig, got {type(config).__name__}")
     dt = jnp.dtype(dtype)
@@ -294,12 +418,15 @@ class DecoderLM(nnx.Module):
                        f"{_backend.IMPLEMENTATIONS}, got {implementation!r}")
     if not isinstance(remat, bool):
       raise TypeError(f"DecoderLM: remat must be a bool, got {remat!r}")
+    _check_row_chunks(config, row_chunks)
     cfg = config
     self.config = cfg
     self.dtype = dt
     self.implementation = implementation
     self.remat = remat
-    kw = dict(dtype=dt, param_dtype=pdt, implementation=implementation, rngs=rngs)
+    self.row_chunks = int(row_chunks)
+    kw = dict(dtype=dt, param_dtype=pdt, implementation=implementation,
+              row_chunks=int(row_chunks), rngs=rngs)
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pdt,
                                   embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
     self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
@@ -332,27 +459,7 @@ class DecoderLM(nnx.Module):
       segment_ids: ``[B, T]`` int, default all 0.
       max_docs: static int >= 1 (only with ``positions`` or ``segment_ids``).
     """
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2:
-      raise ValueError(f"DecoderLM: tokens must be [B, T], got shape {tokens.shape}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise TypeError(f"DecoderLM: tokens must be integers, got {tokens.dtype}")
-    b, t = tokens.shape
-    docs = None
-    if positions is None and segment_ids is None:
-      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    else:
-      positions = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-                   if positions is None else jnp.asarray(positions))
-      segment_ids = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(
-          segment_ids)
-      for name, x in (("positions", positions), ("segment_ids", segment_ids)):
-        if x.shape != (b, t):
-          raise ValueError(f"DecoderLM: {name} must have shape {(b, t)}, got {x.shape}")
-      max_docs = b if max_docs is None else max_docs
-      if not isinstance(max_docs, int) or isinstance(max_docs, bool) or max_docs < 1:
-        raise ValueError(f"DecoderLM: max_docs must be a static int >= 1, got {max_docs!r}")
-      docs = documents(positions, segment_ids, max_docs, op="DecoderLM")
+    tokens, positions, docs = layout(tokens, positions, segment_ids, max_docs)
     x = self.embed_tokens(tokens)
     forward = nnx.remat(_layer_forward) if self.remat else _layer_forward
     for layer in self.layers:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_kernels.contract import ROW_PARALLEL_CHUNKS
 from jaxrl_kernels.models.config import DecoderConfig, config, from_hf_dict
 from jaxrl_kernels.models.decoder import DecoderLM
 
@@ -135,10 +136,10 @@ def hf_name(path: tuple) -> tuple[str, bool]:
       leaf == "kernel")
 
 
-def _abstract(cfg: DecoderConfig, dtype, param_dtype, implementation, remat):
+def _abstract(cfg: DecoderConfig, dtype, param_dtype, implementation, remat, row_chunks):
   return nnx.eval_shape(lambda: DecoderLM(cfg, dtype=dtype, param_dtype=param_dtype,
                                           implementation=implementation, remat=remat,
-                                          rngs=nnx.Rngs(0)))
+                                          row_chunks=row_chunks, rngs=nnx.Rngs(0)))
 
 
 def _float_dtype(name: str, value) -> jnp.dtype:
@@ -153,7 +154,8 @@ def _float_dtype(name: str, value) -> jnp.dtype:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
-                    implementation: str | None = None, remat: bool = False) -> DecoderLM:
+                    implementation: str | None = None, remat: bool = False,
+                    row_chunks: int = ROW_PARALLEL_CHUNKS) -> DecoderLM:
   """Loads a local Hugging Face folder into a :class:`DecoderLM`.
 
   Args:
@@ -163,6 +165,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
     param_dtype: parameter dtype (default: the checkpoint's embedding dtype).
     implementation: passed to every op (see :class:`DecoderLM`).
     remat: recompute layer activations in the backward pass.
+    row_chunks: K chunks of the row-parallel layers' canonical order (see
+      :class:`DecoderLM`; 1: plain ``det_matmul``, tensor parallelism refused).
 
   Raises:
     ValueError: naming what is wrong: an unknown ``model_type`` or unsupported
@@ -182,7 +186,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
     param_dtype = stored if stored in _FLOAT_DTYPES else "float32"
   pdt = _float_dtype("param_dtype", param_dtype)
   dt = pdt if dtype is None else _float_dtype("dtype", dtype)
-  graphdef, abstract = nnx.split(_abstract(cfg, dt, pdt, implementation, remat))
+  graphdef, abstract = nnx.split(_abstract(cfg, dt, pdt, implementation, remat, row_chunks))
   flat = []
   used = set()
   for p, leaf in nnx.to_flat_state(abstract):
@@ -265,11 +269,12 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
 
 def preset(name: str, key: jax.Array | int = 0, dtype="bfloat16", *,
            implementation: str | None = None, remat: bool = False,
-           **overrides) -> DecoderLM:
+           row_chunks: int = ROW_PARALLEL_CHUNKS, **overrides) -> DecoderLM:
   """A :class:`DecoderLM` with random weights (normal, std 0.02) at the true shape of
   ``name``: ``"qwen2.5-0.5b"``, ``"qwen2.5-1.5b"``, ``"llama-3.2-1b"``,
   ``"llama-3.1-8b"``, ``"qwen3-8b"``. ``overrides`` replace config fields (e.g.
-  ``num_hidden_layers=2``)."""
+  ``num_hidden_layers=2``); ``row_chunks`` as in :class:`DecoderLM`."""
   cfg = config(name, **overrides)
   rngs = nnx.Rngs(params=key) if not isinstance(key, int) else nnx.Rngs(key)
-  return DecoderLM(cfg, dtype=dtype, implementation=implementation, remat=remat, rngs=rngs)
+  return DecoderLM(cfg, dtype=dtype, implementation=implementation, remat=remat,
+                   row_chunks=row_chunks, rngs=rngs)

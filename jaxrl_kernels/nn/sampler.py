@@ -10,8 +10,11 @@ mesh. With the batch-invariant kernels (``implementation=None``) the two
 agree bit for bit; ``jaxrl-kernels parity`` prints how far they are apart.
 
 Both work on any model with the :class:`CausalLM` protocol:
-:class:`~jaxrl_kernels.nn.TinyCausalLM` and
-:class:`~jaxrl_kernels.models.DecoderLM` (Llama / Qwen2 / Qwen3).
+:class:`~jaxrl_kernels.nn.TinyCausalLM`,
+:class:`~jaxrl_kernels.models.DecoderLM` (Llama / Qwen2 / Qwen3), and
+:class:`~jaxrl_kernels.models.ShardedDecoderLM` (the same model sharded over a
+mesh by ``models.shard``: sampling at TP = N and scoring under FSDP give the
+unsharded bits).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ class CausalLM(Protocol):
 
   Attributes / methods:
     config: has ``vocab_size``.
-    head: the :class:`~jaxrl_kernels.nn.LMHead` reading the final hidden states.
+    head: the :class:`~jaxrl_kernels.nn.LMHead` reading the final hidden states (or an
+      object with its ``logits(h, temperature, return_stats)`` and ``__call__``, as
+      ``models.ShardedHead``).
     __call__(tokens, positions=None, segment_ids=None, *, max_docs=None): hidden ``[B, T, H]``.
     logp(tokens, targets, mask=None, *, positions, segment_ids, max_docs, temperature):
       float32 ``[B, T]`` log-probs through ``head``.
@@ -44,7 +49,7 @@ class CausalLM(Protocol):
       with decode == prefill bitwise.
   """
 
-  head: LMHead
+  head: LMHead | object
 
   def __call__(self, tokens, positions=None, segment_ids=None, *, max_docs=None): ...
 
@@ -353,6 +358,10 @@ def score(model: CausalLM, tokens, completion_mask, *, temperature: float = 1.0,
   b, t = tokens.shape
   if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
     raise ValueError(f"score: batch_size must be an int >= 1 or None, got {batch_size!r}")
+  if tp_mesh is not None and not isinstance(model.head, LMHead):
+    raise ValueError(f"score: tp_mesh takes a model with an LMHead; this model's head is a "
+                     f"{type(model.head).__name__} (a sharded model runs its own head "
+                     f"vocab-parallel: pass tp_mesh=None)")
   lengths = np.where(cm.any(1), t - np.argmax(cm[:, ::-1], axis=1), 0)
   # Column j predicts token j + 1.
   targets = np.zeros_like(tokens)

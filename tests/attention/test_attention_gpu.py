@@ -1,7 +1,10 @@
-"""causal_attention on the GPU (Triton): decode = prefill, accuracy and gradients at
-realistic shapes (batch, padding, chunking, mode: tests/test_contract.py).
+"""causal_attention's Triton kernels on a CUDA GPU: accuracy of the forward (bf16 and fp32,
+grouped-query heads) and of the gradients at realistic shapes.
 
-  PYTHONPATH=$PWD python -m pytest -q tests/attention/test_attention_gpu.py
+Every invariance (decode = prefill up to T = 4096, batch, position, padding, packing,
+chunked prefill, mode, run to run of the outputs and gradients) is tests/test_contract.py.
+
+  python -m pytest -q -m gpu tests/attention/test_attention_gpu.py
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TOL, assert_bitwise_equal, bits, rel_err
+from helpers import TOL, rel_err
 from helpers import attention_inputs as inputs
 
 from jaxrl_kernels.attention import causal_attention
@@ -33,21 +36,6 @@ def reference64(q, k, v, scale):
   return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def decode_all(q, k, v, positions, s_cache):
-  """Each position alone (Tq = 1) against a cache of s_cache keys with NaN past it."""
-  b, _, _, _ = q.shape
-  outs = []
-  for p in positions:
-    pad = s_cache - k.shape[1]
-    kc = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=jnp.nan)
-    vc = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=jnp.nan)
-    keep = jnp.arange(s_cache)[None, :, None, None] <= p
-    kc, vc = jnp.where(keep, kc, jnp.nan), jnp.where(keep, vc, jnp.nan)
-    outs.append(causal_attention(q[:, p:p + 1], kc, vc, q_positions=jnp.full((b, 1), p),
-                                 kv_lengths=jnp.full((b,), p + 1), implementation=IMPL))
-  return outs
-
-
 @pytest.mark.parametrize("hkv", [HKV, 2])
 def test_forward_accuracy(hkv):
   q, k, v = inputs(0, B, T, HQ, hkv, D, jnp.bfloat16, spread=2)
@@ -58,46 +46,12 @@ def test_forward_accuracy(hkv):
   assert rel_err(out32, reference64(q32[:, :256], k32[:, :256], v32[:, :256], D ** -0.5)) <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_decode_equals_prefill_bitwise(dtype):
-  q, k, v = inputs(1, B, T, HQ, HKV, D, dtype)
-  prefill = causal_attention(q, k, v, implementation=IMPL)
-  positions = [0, 1, 63, 64, 65, 511, 777, T - 1]
-  for p, dec in zip(positions, decode_all(q, k, v, positions, T + 100)):
-    assert_bitwise_equal(dec[:, 0], prefill[:, p], f"position {p}")
-
-
-def test_decode_equals_prefill_bitwise_4096():
-  t = 4096
-  q, k, v = inputs(2, 1, t, HQ, 2, D, jnp.bfloat16)
-  prefill = causal_attention(q, k, v, implementation=IMPL)
-  positions = [0, 100, 2047, 2048, 3333, t - 1]
-  for p, dec in zip(positions, decode_all(q, k, v, positions, t + 64)):
-    assert_bitwise_equal(dec[:, 0], prefill[:, p], f"position {p}")
-
-
-def test_decode_control_xla_changes_bits():
-  """The stock materialised path does not keep decode = prefill on these inputs."""
-  q, k, v = inputs(1, B, T, HQ, HKV, D, jnp.bfloat16)
-  prefill = causal_attention(q, k, v, implementation="xla")
-  differ = 0
-  for p in (63, 511, 777, T - 1):
-    dec = causal_attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], implementation="xla")
-    differ += int(np.sum(bits(dec) != bits(prefill[:, p:p + 1])))
-  assert differ > 0
-
-
-def test_mode_run_to_run_and_gradients():
+def test_gradients_match_the_float32_reference():
   q, k, v = inputs(4, B, 512, HQ, 2, D, jnp.bfloat16, spread=2)
   f = jax.jit(lambda q, k, v: causal_attention(q, k, v, implementation=IMPL))
-  plain = f(q, k, v)
-  out, vjp = jax.vjp(f, q, k, v)
-  assert_bitwise_equal(out, plain, "under vjp")
+  _, vjp = jax.vjp(f, q, k, v)
   d_out = jax.random.normal(jax.random.key(5), q.shape, jnp.bfloat16)
   g1 = vjp(d_out)
-  for _ in range(5):
-    for a, c in zip(vjp(d_out), g1):
-      assert_bitwise_equal(a, c, "gradient rerun")
   ref = lambda q, k, v: jnp.vdot(causal_attention(  # noqa: E731
       q, k, v, implementation="xla").astype(jnp.float32), d_out.astype(jnp.float32))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))

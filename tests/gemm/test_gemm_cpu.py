@@ -1,7 +1,9 @@
 """The "cpu" det_matmul (jaxrl_kernels/gemm/cpu.py): fixed-shape XLA dots.
 
-In-process tests run under the suite's XLA flags; tests/test_cpu_fma.py repeats
-the invariance checks in a subprocess with FMA contraction on.
+Its invariance checks here straddle this implementation's row block (CPU_ROW_BLOCK - 1,
+CPU_ROW_BLOCK, CPU_ROW_BLOCK + 1 rows), which the contract suite (tests/test_contract.py)
+does not aim at. In-process tests run under the suite's XLA flags; tests/test_cpu_fma.py
+repeats the invariance checks in a subprocess with FMA contraction on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 
 from jaxrl_kernels import det_matmul
-from jaxrl_kernels.contract import CPU_ROW_BLOCK
+from jaxrl_kernels.contract import CPU_COL_BLOCK, CPU_ROW_BLOCK
 from jaxrl_kernels.gemm import cpu
 
 # implementation="cpu" runs where JAX's default backend is the CPU.
@@ -38,6 +40,27 @@ def test_matches_float64(dtype, rhs_transposed):
   out = _mm(a, b.T if rhs_transposed else b, rhs_transposed=rhs_transposed, out_dtype=dtype)
   assert out.dtype == jnp.dtype(dtype)
   assert rel_err(out, ref) <= TOL[dtype][0]
+
+
+@pytest.mark.parametrize("rhs_transposed", [False, True])
+def test_columns_invariant_to_the_column_shard(rhs_transposed):
+  """A column-parallel shard of the weight (N / tp columns, as a TP layer holds) gives
+  the bits of those columns of the full product: every product is one
+  ``[CPU_ROW_BLOCK, K] x [K, CPU_COL_BLOCK]`` dot. Shards narrower than the block, off
+  its grid, and wider than it. Control: plain XLA dots pick their K blocking from N."""
+  x = wide_rows(jax.random.key(3), 24, 256, jnp.float32)
+  n = 2 * CPU_COL_BLOCK + 44
+  w = jax.random.normal(jax.random.key(4), (256, n), jnp.float32)
+  full = _mm(x, w.T if rhs_transposed else w, rhs_transposed=rhs_transposed)
+  for lo, width in ((0, 8), (8, 8), (16, 16), (40, 24), (0, CPU_COL_BLOCK),
+                    (CPU_COL_BLOCK - 4, CPU_COL_BLOCK + 12), (n - 44, 44)):
+    ws = w[:, lo:lo + width]
+    got = _mm(x, ws.T if rhs_transposed else ws, rhs_transposed=rhs_transposed)
+    assert_bitwise_equal(got, full[:, lo:lo + width], f"columns {lo}:{lo + width}")
+  dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
+  stock = dot(x, w)
+  assert any(not np.array_equal(bits(dot(x, w[:, :width])), bits(stock[:, :width]))
+             for width in (1, 8, 16)), "control: plain XLA dots kept the bits of every shard"
 
 
 def test_rows_invariant_to_batch_position_padding_and_chunks():

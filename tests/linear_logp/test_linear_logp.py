@@ -1,6 +1,7 @@
 """linear_logp on the CPU: accuracy of every CPU implementation against float64, and the
-Pallas kernels' semantics (interpret mode): invariance of gradients, partials and merge,
-masks, bad targets, transforms, memory."""
+Pallas kernels' semantics (interpret mode): partials and merge, masks, bad targets,
+transforms, memory. Row invariance of the outputs and dH for every implementation:
+tests/test_contract.py."""
 
 import jax
 import jax.numpy as jnp
@@ -134,10 +135,26 @@ def test_fp32_head(hidden_dtype):
       linear_logp(x, w, tg, weight_layout="vh", implementation=IMPL)
 
 
-@settings(max_examples=6, deadline=None)
-@given(t=st.integers(1, 40), h=st.integers(1, 70), v=st.integers(1, 400),
-       layout=st.sampled_from(["hv", "vh"]))
+_SHAPES = dict(t=st.integers(1, 40), h=st.integers(1, 70), v=st.integers(1, 400),
+               layout=st.sampled_from(["hv", "vh"]))
+
+
+# Each example is a compilation of the interpreted kernels: CI draws a few shapes, the slow
+# run many.
+@settings(max_examples=3, deadline=None)
+@given(**_SHAPES)
 def test_random_shapes_forward(t, h, v, layout):
+  _check_random_shape(t, h, v, layout)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None)
+@given(**_SHAPES)
+def test_random_shapes_forward_exhaustive(t, h, v, layout):
+  _check_random_shape(t, h, v, layout)
+
+
+def _check_random_shape(t, h, v, layout):
   x, w, tg, bias, mask, _, _ = _case("float32", t=t, h=h, v=v, layout=layout, seed=t + h + v)
   lp, ent = linear_logp(x, w, tg, bias=bias, mask=mask, return_entropy=True,
                         weight_layout=layout, implementation=IMPL)
@@ -157,7 +174,7 @@ def test_leading_dims_and_empty_batch():
   assert g.shape == (0, H)
 
 
-# ---------------------------------------------------------------- invariance
+# ------------------------------------------------------- partials, merge, mode
 
 def _wide_case(dtype, t, layout="hv", seed=3):
   """Rows scaled by 2**e, e in [-6, 6]: any reordering of a sum shows in the bits."""
@@ -169,79 +186,6 @@ def _wide_case(dtype, t, layout="hv", seed=3):
 def _fwd(layout="hv"):
   return jax.jit(lambda x, w, t: linear_logp(x, w, t, return_entropy=True, weight_layout=layout,
                                              implementation=IMPL))
-
-
-def _grad_h(layout="hv"):
-  def loss(x, w, t, g):
-    lp, ent = linear_logp(x, w, t, return_entropy=True, weight_layout=layout,
-                          implementation=IMPL)
-    return jnp.sum(lp * g) + jnp.sum(ent * g[::-1] * 0 + ent * 0.5)
-  return jax.jit(jax.grad(loss))
-
-
-@pytest.mark.parametrize("dtype,layout", [("float32", "hv"), ("bfloat16", "vh")])
-def test_batch_invariance(dtype, layout):
-  """Row r alone equals row r inside batches of every size: logp, entropy and dH."""
-  x, w, tg = _wide_case(dtype, 97, layout)
-  g = jnp.linspace(-2.0, 3.0, 97)
-  f, gh = _fwd(layout), _grad_h(layout)
-  probe = (0, 31, 32, 64)
-  single = {r: f(x[r:r + 1], w, tg[r:r + 1]) for r in probe}
-  single_dh = {r: gh(x[r:r + 1], w, tg[r:r + 1], g[r:r + 1]) for r in probe}
-  for m in (65, 97):
-    lp, ent = f(x[:m], w, tg[:m])
-    dh = gh(x[:m], w, tg[:m], g[:m])
-    for r in probe:
-      assert_bitwise_equal(lp[r:r + 1], single[r][0], f"logp row {r} of {m}")
-      assert_bitwise_equal(ent[r:r + 1], single[r][1], f"entropy row {r} of {m}")
-      assert_bitwise_equal(dh[r:r + 1], single_dh[r], f"dH row {r} of {m}")
-
-
-def test_position_padding_and_chunking_invariance():
-  x, w, tg = _wide_case("float32", 64)
-  f = _fwd()
-  lp, ent = f(x, w, tg)
-  row = (x[5:6], tg[5:6])
-  for pos in (0, 37, 63):  # position
-    xs = jnp.concatenate([x[:pos], row[0], x[pos:63]])
-    ts = jnp.concatenate([tg[:pos], row[1], tg[pos:63]])
-    lp_p, ent_p = f(xs, w, ts)
-    assert_bitwise_equal(lp_p[pos], lp[5], f"position {pos}")
-    assert_bitwise_equal(ent_p[pos], ent[5], f"position {pos} entropy")
-  junk = jax.random.normal(jax.random.key(9), (13, H)) * 100  # padding, both ends
-  jt = jnp.zeros((13,), jnp.int32)
-  lp_p, ent_p = f(jnp.concatenate([junk, x, junk]), w, jnp.concatenate([jt, tg, jt]))
-  assert_bitwise_equal(lp_p[13:-13], lp, "padding")
-  assert_bitwise_equal(ent_p[13:-13], ent, "padding entropy")
-  for cut in (1, 27, 33):  # chunking
-    parts = [f(x[:cut], w, tg[:cut]), f(x[cut:], w, tg[cut:])]
-    assert_bitwise_equal(jnp.concatenate([p[0] for p in parts]), lp, f"chunk {cut}")
-    assert_bitwise_equal(jnp.concatenate([p[1] for p in parts]), ent, f"chunk {cut} entropy")
-
-
-def test_mode_and_run_to_run_invariance():
-  x, w, tg = _wide_case("bfloat16", 50)
-  b = jax.random.normal(jax.random.key(4), (V,), jnp.bfloat16)
-  fwd = jax.jit(lambda x, w, b: linear_logp(x, w, tg, bias=b, return_entropy=True,
-                                            temperature=0.9, implementation=IMPL))
-
-  def loss(x, w, b):
-    lp, ent = fwd(x, w, b)
-    return jnp.sum(lp) - 0.1 * jnp.sum(ent), (lp, ent)
-
-  train = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-  lp, ent = fwd(x, w, b)
-  (_, (lp_t, ent_t)), grads = train(x, w, b)
-  assert_bitwise_equal(lp_t, lp, "mode logp")
-  assert_bitwise_equal(ent_t, ent, "mode entropy")
-  for _ in range(20):
-    lp2, ent2 = fwd(x, w, b)
-    assert_bitwise_equal(lp2, lp, "run-to-run logp")
-    assert_bitwise_equal(ent2, ent, "run-to-run entropy")
-  for _ in range(3):
-    _, grads2 = train(x, w, b)
-    for g1, g2, name in zip(grads, grads2, ("dH", "dW", "db")):
-      assert_bitwise_equal(g2, g1, f"run-to-run {name}")
 
 
 @pytest.mark.parametrize("dtype,layout,v", [("float32", "vh", 16), ("bfloat16", "hv", 200)])
@@ -294,7 +238,7 @@ def test_vocab_split_merges_to_the_same_bits():
   kw = dict(weight_layout="vh", temperature=0.8, implementation=IMPL)
   full = tile_partials(x, w, b, tg, **kw)
   lse, mean_z, ent = merge_partials(*full[:3], implementation=IMPL)
-  for bounds in ((0, 384, v), (0, 128, 512, v)):
+  for bounds in ((0, 128, 512, v),):  # uneven shards, the last one padded
     shards = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
       ws, bs = w[lo:hi], b[lo:hi]

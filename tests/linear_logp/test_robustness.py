@@ -159,27 +159,6 @@ def test_bad_temperatures_are_named(temperature, exc, match):
     head_logits(x, w, temperature=temperature, implementation="interpret")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_traced_temperature_has_the_static_bits(impl, temperature):
-  """A temperature annealed inside jit: the same value gives the same bits (logp, entropy,
-  gradients, sampler logits) whether it is a Python float or a traced scalar."""
-  x, w, tg, b = _case(seed=4)
-
-  def out(x, t):
-    lp, ent = linear_logp(x, w, tg, bias=b, temperature=t, return_entropy=True,
-                          implementation=impl)
-    g = jax.grad(lambda x: jnp.sum(linear_logp(x, w, tg, bias=b, temperature=t,
-                                               implementation=impl)))(x)
-    z = head_logits(x, w, bias=b, temperature=t, implementation=impl)
-    return lp, ent, g, z
-
-  static = jax.jit(lambda x: out(x, temperature))(x)
-  traced = jax.jit(out)(x, jnp.float32(temperature))
-  for name, s, t in zip(("logp", "entropy", "dH", "logits"), static, traced):
-    assert_bitwise_equal(s, t, f"{name}: static vs traced temperature {temperature}")
-
-
 def test_forward_mode_autodiff_is_refused_by_name():
   x, w, tg, _ = _case()
   with pytest.raises(TypeError, match="custom_vjp"):

@@ -42,3 +42,43 @@ def test_real_shape_decode_equals_prefill_gpu():
   for t in range(64, 80):
     h, cache = step(model, seq[:, t], cache)
     assert_bitwise_equal(np.asarray(h), full[:, t], f"decode {t}")
+
+
+# The canonical row-parallel order and the tensor-parallel code path on one GPU: a model
+# sharded over a one-device tp axis runs row_parallel_matmul with axis_name, the
+# vocabulary-parallel embedding, head (vocab_parallel_linear_logp) and sampler logits; its
+# bits must be the unsharded model's.
+TP1_CASES = [("small", dict(num_hidden_layers=2, vocab_size=1000, hidden_size=128,
+                            intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32)),
+             ("qwen2.5-0.5b", dict(num_hidden_layers=2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name, over", TP1_CASES, ids=[c[0] for c in TP1_CASES])
+def test_one_device_tp_path_equals_unsharded_gpu(name, over, dtype):
+  model = models.preset("qwen2.5-0.5b", jax.random.key(4), dtype, **over)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  sharded = models.shard(model, models.Parallelism(mesh, tp="tp"))
+  v = model.config.vocab_size
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(0, v, (4, 64)).astype(np.int32)
+  targets = np.roll(tokens, -1, axis=1)
+
+  @nnx.jit
+  def run(m, t, g):
+    h = m(t)
+    lp, ent = m.logp(t, g, temperature=0.8, return_entropy=True)
+    z, stats = m.head.logits(h[:, -1], temperature=0.8, return_stats=True)
+    return h, lp, ent, z, stats.lse, stats.entropy
+
+  ref = run(model, tokens, targets)
+  got = run(sharded, tokens, targets)
+  for what, a, b in zip(("hidden", "logp", "entropy", "logits", "lse", "stats entropy"),
+                        got, ref, strict=True):
+    assert_bitwise_equal(np.asarray(a), np.asarray(b), f"{name} {dtype}: {what}")
+  res = sample(sharded, tokens[:, :16], np.full((4,), 16, np.int32), max_new_tokens=16,
+               key=jax.random.key(5))
+  assert_bitwise_equal(score(model, res.tokens, res.completion_mask), np.asarray(res.logp),
+                       f"{name} {dtype}: one-device tp sampler vs unsharded trainer")

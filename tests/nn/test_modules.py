@@ -41,7 +41,8 @@ def _fused_logits(head, h):
   tg = jnp.tile(jnp.arange(V, dtype=jnp.int32), h.shape[0])
   b = None if head.bias is None else head.bias[...]
   _, _, _, tz = tile_partials(hr, w, b, tg, weight_layout=layout,
-                              compute_dtype=head.compute_dtype)
+                              compute_dtype=head.compute_dtype,
+                              implementation=head.implementation)
   return tz.reshape(h.shape[0], V)
 
 
@@ -91,12 +92,14 @@ def test_logits_are_the_fused_projection_bitwise(dtype, tied, fp32_head):
 
 
 def test_det_matmul_projection_differs_control():
-  """Why .logits does not call det_matmul: its fp32 K tile (32) is not the fused
-  kernel's H step (64 in interpret mode), so the projections differ in bits."""
+  """Why .logits does not call det_matmul: on the Pallas paths its fp32 K tile (32) is
+  not the fused kernel's H step (64 in interpret mode), so the projections differ in
+  bits (the interpreted kernels, the semantics of the Triton ones)."""
   head = _head(jnp.float32, False)
   head.bias = None
+  head.implementation = "interpret"
   h = wide_rows(jax.random.key(5), 6, H, jnp.float32)
-  z_gemm = det_matmul(h, head.kernel[...], out_dtype=jnp.float32)
+  z_gemm = det_matmul(h, head.kernel[...], out_dtype=jnp.float32, implementation="interpret")
   assert not np.array_equal(bits(z_gemm), bits(_fused_logits(head, h)))
 
 
@@ -178,7 +181,7 @@ def test_sampler_entropy_equals_fused_bitwise_gpu():
   _sampler_entropy_matches_fused(jnp.bfloat16, True)
 
 
-@pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("tied", [True, False])
 def test_argmax_logp_from_logits_equals_fused_bitwise_mosaic_gpu(tied):
   """Hopper, implementation="mosaic": the logits are the fused Mosaic kernel's own
@@ -200,9 +203,6 @@ def test_logp_from_logits_close_to_fused_triton_gpu(tied):
 
 
 def _mosaic_sampler_matches_fused(tied, *, entropy_bitwise):
-  from jaxrl_kernels import _backend
-  if not _backend.is_hopper():
-    pytest.skip("the Mosaic kernels need a Hopper GPU")
   head, h, z = _sampler_matches_fused(jnp.bfloat16, tied, implementation="mosaic",
                                       entropy_bitwise=entropy_bitwise)
   w, layout = _weight(head)
@@ -283,23 +283,26 @@ def test_tiny_lm_logp_batch_and_padding_invariant_bitwise(lm, lm_batch):
 
 def test_tiny_lm_values_and_segments(lm, lm_batch):
   toks, tg, _ = lm_batch
-  h = lm(toks[:1, :10])
+  # Jitted: one compilation per shape instead of one per primitive.
+  hidden = nnx.jit(lambda m, t: m(t))
+  h = hidden(lm, toks[:1, :10])
   ref = linear_logp_reference(h, lm.embed.embedding[...], tg[:1, :10], weight_layout="vh")
-  assert rel_err(lm.logp(toks[:1, :10], tg[:1, :10]), ref["logp"]) <= TOL["float32"][0]
+  logp = nnx.jit(lambda m, t, tg: m.logp(t, tg))(lm, toks[:1, :10], tg[:1, :10])
+  assert rel_err(logp, ref["logp"]) <= TOL["float32"][0]
   # Two documents packed in one row (positions restart, segments split) give
   # each document's own hidden states.
   packed = np.concatenate([toks[0, :6], toks[1, :4]])[None]
   pos = np.concatenate([np.arange(6), np.arange(4)])[None]
   seg = np.array([[1] * 6 + [2] * 4])
-  hp = lm(packed, pos, seg, max_docs=2)
-  assert rel_err(hp[0, 6:], lm(toks[1:2, :4])[0]) <= TOL["float32"][0]
-  assert rel_err(hp[0, :6], lm(toks[:1, :6])[0]) <= TOL["float32"][0]
+  hp = nnx.jit(lambda m, t, pos, seg: m(t, pos, seg, max_docs=2))(lm, packed, pos, seg)
+  assert rel_err(hp[0, 6:], hidden(lm, toks[1:2, :4])[0]) <= TOL["float32"][0]
+  assert rel_err(hp[0, :6], hidden(lm, toks[:1, :6])[0]) <= TOL["float32"][0]
 
 
 def test_tiny_lm_gradients_finite_and_tied(lm, lm_batch):
   toks, tg, mask = lm_batch
   assert lm.head.kernel is None  # tied: one embedding parameter
-  grads = nnx.grad(lambda m: -jnp.sum(m.logp(toks, tg, mask)))(lm)
+  grads = nnx.jit(nnx.grad(lambda m: -jnp.sum(m.logp(toks, tg, mask))))(lm)
   leaves = jax.tree.leaves(grads)
   assert leaves and all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
   assert all(float(jnp.abs(x).max()) > 0 for x in leaves)
@@ -314,9 +317,7 @@ def test_tiny_lm_config_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("implementation", [pytest.param("mosaic", marks=pytest.mark.hopper),
+                                            "triton"])
 def test_sampler_entropy_equals_fused_bitwise_impl_gpu(implementation, tied):
-  from jaxrl_kernels import _backend
-  if implementation == "mosaic" and not _backend.is_hopper():
-    pytest.skip("the Mosaic kernels need a Hopper GPU")
   _sampler_entropy_matches_fused(jnp.bfloat16, tied, implementation=implementation)

@@ -122,3 +122,21 @@ def test_greedy_and_early_stop(lm):
 def test_bad_options(lm, kw, match):
   with pytest.raises(ValueError, match=match):
     sample(lm, PROMPTS, LENS, max_new_tokens=2, key=jax.random.key(0), **kw)
+
+
+def test_score_tp_mesh_needs_an_lm_head(lm):
+  """score's tp_mesh splits an LMHead; a model with another head (a sharded model runs its
+  own head vocab-parallel) is refused before anything runs."""
+
+  class OtherHead:
+    pass
+
+  class Wrapped:
+    config = lm.config
+    head = OtherHead()
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+  tokens = np.zeros((1, 4), np.int32)
+  cm = np.array([[False, True, True, True]])
+  with pytest.raises(ValueError, match="tp_mesh takes a model with an LMHead; .* OtherHead"):
+    score(Wrapped(), tokens, cm, tp_mesh=mesh)

@@ -1,5 +1,6 @@
-"""det_sum / det_prod / det_cum*: float64 accuracy, bitwise batch and trailing-zero
-invariance, the interpreted kernel equal to the XLA form, gradients, bad input."""
+"""det_sum / det_prod / det_cum*: float64 accuracy, the interpreted kernel equal to the XLA
+form, cumulative ops' invariance, gradients, bad input (det_sum's batch, padding,
+chunking and trailing-zero invariance: tests/test_contract.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +34,6 @@ def test_interpret_kernel_equals_xla_form_bitwise():
   x = wide_rows(jax.random.key(1), 37, 3 * REDUCE_LANES + 5, "float32")
   assert_bitwise_equal(det_sum(x, axis=1, implementation="interpret"),
                        det_sum(x, axis=1, implementation="cpu"), "interpret vs cpu")
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_sum_batch_and_trailing_zero_invariance(impl):
-  n = 2 * REDUCE_LANES + 44
-  x = wide_rows(jax.random.key(2), 9, n, "float32")
-  full = det_sum(x, axis=1, implementation=impl)
-  for r in (0, 4, 8):
-    assert_bitwise_equal(det_sum(x[r:r + 1], axis=1, implementation=impl), full[r:r + 1],
-                         f"row {r} alone")
-  other = x.at[1:].set(jax.random.normal(jax.random.key(3), (8, n)) * 1e3)
-  assert_bitwise_equal(det_sum(other, axis=1, implementation=impl)[0], full[0], "other rows")
-  # Appended exact zeros (masked keys, a longer zero-initialised cache): same bits.
-  padded = jnp.pad(x, ((0, 0), (0, 3 * REDUCE_LANES + 7)))
-  assert_bitwise_equal(det_sum(padded, axis=1, implementation=impl), full, "trailing zeros")
 
 
 def test_inputs_reveal_a_reordering():

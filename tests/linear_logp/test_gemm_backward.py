@@ -72,14 +72,11 @@ def test_vocab_shard_with_padding_columns():
   assert np.all(np.asarray(dw[:, V:]) == 0) and np.all(np.asarray(db[V:]) == 0)
 
 
-@pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 def test_mosaic_epilogue_accumulation_keeps_the_gradients_bits(layout):
   """On Hopper dH accumulates in place in the dH GEMM's epilogue;
   the gradients are bitwise those of the product + add path."""
-  from jaxrl_kernels._backend import is_hopper
-  if not is_hopper():
-    pytest.skip("the Mosaic GEMMs need a Hopper GPU")
   t = 300
   # V = 4 full 1024-column chunks and a 640-column tail.
   args = _case("bfloat16", t, layout, seed=4, h=256, v=4096 + 640, implementation="triton")

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "examples" / "grpo_step.py"
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "grpo_step.py"
 _STEP = re.compile(r"^step (\d+): loss ([-+.\deE]+)  reward ([.\d]+)  max\|dlogp\| (\S+) "
                    r"\((\d+) of (\d+) log-probs differ\)")
 
