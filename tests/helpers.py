@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def bits(x) -> np.ndarray:
@@ -55,3 +61,24 @@ TOL = {
     "bfloat16": (1e-2, 2e-2),
     "float16": (2e-3, 1e-2),
 }
+
+
+def run_without_fma(script: str) -> dict:
+  """Runs ``script`` in a fresh process with XLA's default CPU flags (FMA contraction
+  on: the suite's ``--xla_cpu_max_isa`` removed) and returns the dict it printed on a
+  ``RESULT <json>`` line; skips when this machine's XLA does not contract (no FMA)."""
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
+  env["XLA_FLAGS"] = " ".join(flags)
+  env["JAX_PLATFORMS"] = "cpu"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                        timeout=900, cwd=root)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+  out = json.loads(line[len("RESULT "):])
+  if not out["fma"]:
+    pytest.skip("XLA's CPU compiler does not contract a*b+c on this machine (no FMA): "
+                "nothing to prove here")
+  return out

@@ -11,13 +11,9 @@ with the batch there.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from helpers import run_without_fma
 
 _SCRIPT = textwrap.dedent("""
     import json
@@ -149,27 +145,8 @@ _ATTENTION_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_without_max_isa(script: str) -> dict:
-  """Runs ``script`` in a fresh process with XLA's default CPU flags; its RESULT dict."""
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
-  env["XLA_FLAGS"] = " ".join(flags)
-  env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=900, cwd=root)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-  out = json.loads(line[len("RESULT "):])
-  if not out["fma"]:
-    pytest.skip("XLA's CPU compiler does not contract a*b+c on this machine (no FMA): "
-                "nothing to prove here")
-  return out
-
-
 def test_cpu_implementation_is_invariant_with_fma_contraction_on():
-  out = _run_without_max_isa(_SCRIPT)
+  out = run_without_fma(_SCRIPT)
   failed = [name for name, ok in out["checks"].items() if not ok]
   assert not failed, f"bits changed with FMA contraction on: {failed}"
   assert out["control"]["jnp.dot"], "control: jnp.dot kept its bits at every batch size"
@@ -180,7 +157,7 @@ def test_cpu_attention_is_invariant_with_fma_contraction_on():
   """causal_attention "cpu": decode = prefill (NaN past the cache's end), batch
   invariance of the output and of dq, with FMA contraction on; control: the
   materialised "xla" attention changes a decoded token's bits there."""
-  out = _run_without_max_isa(_ATTENTION_SCRIPT)
+  out = run_without_fma(_ATTENTION_SCRIPT)
   failed = [name for name, ok in out["checks"].items() if not ok]
   assert not failed, f"bits changed with FMA contraction on: {failed}"
   assert not out["control"]["attention xla decode = prefill"], (

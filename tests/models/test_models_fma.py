@@ -10,13 +10,9 @@ the control: the same model on the stock path (``implementation="xla"``) does no
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from helpers import run_without_fma
 
 _SCRIPT = textwrap.dedent("""
     import json
@@ -47,20 +43,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_decoder_sampler_equals_trainer_with_fma_contraction_on():
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
-  env["XLA_FLAGS"] = " ".join(flags)
-  env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                        text=True, timeout=900, cwd=root)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-  out = json.loads(line[len("RESULT "):])
-  if not out["fma"]:
-    pytest.skip("XLA's CPU compiler does not contract a*b+c on this machine (no FMA): "
-                "nothing to prove here")
+  out = run_without_fma(_SCRIPT)
   assert out["checks"] == {"qwen3": 0}, (
       f"sampled tokens whose log-prob differs from the trainer's: {out['checks']}")
   assert any(out["control"].values()), (
