@@ -85,7 +85,9 @@ def _reduce2d(x2, op: str, impl: str):
     return stock(x2, axis=1)
   if x2.shape[1] == 0 or x2.shape[0] == 0:
     return jnp.full((x2.shape[0],), 0.0 if op == "sum" else 1.0, x2.dtype)
-  if impl == "cpu" or x2.dtype == jnp.float64:
+  if impl == "cpu" or x2.dtype == jnp.float64 or x2.shape[1] <= REDUCE_LANES:
+    # Rows of at most one lane step (a sum over a size-1 or short axis) are one fused
+    # elementwise pass in XLA, the kernel's bits (fixed_order.reduce_rows).
     return fixed_order.reduce_rows(x2, op=op, lanes=REDUCE_LANES, out_dtype=x2.dtype)
   from jaxrl_kernels.pallas import reduce_triton
   return reduce_triton.reduce_rows(x2, op=op, lanes=REDUCE_LANES, out_dtype=x2.dtype,

@@ -47,14 +47,24 @@ def reduce_rows(x: jax.Array, *, op: str, lanes: int, out_dtype) -> jax.Array:
   combine: Combine = jnp.add if op == "sum" else jnp.multiply
   identity = 0.0 if op == "sum" else 1.0
   dt = state_dtype(x.dtype)
+  if x.shape[-1] <= lanes:
+    # One lane step: lane j holds identity (+) x[j] for j < N and the identity past N.
+    # The halving fold adds those identities to values that are never -0.0 (0.0 + x
+    # is not -0.0, nor is a sum of such values), which leaves them unchanged; so the
+    # fold may start at the first power of two >= N, on an array of that width only
+    # (a row of one element, a sum over a size-1 axis, costs one elementwise op).
+    lanes = 1 << (max(x.shape[-1], 1) - 1).bit_length()
   tiles = _pad_to_tiles(x.astype(dt), lanes, identity)  # [R, nt, L]
   nt = tiles.shape[1]
-  acc = jnp.full((x.shape[0], lanes), identity, dt)
+  # The kernel's first step, identity (+) x, written so that XLA cannot simplify it to
+  # x: 0.0 + (-0.0) is +0.0 (a product's 1.0 * x is x exactly).
+  first = tiles[:, 0, :]
+  acc = jnp.where(first == 0, jnp.zeros((), dt), first) if op == "sum" else first
   if nt <= _UNROLL_TILES:
-    for t in range(nt):
+    for t in range(1, nt):
       acc = combine(acc, tiles[:, t, :])
   else:
-    acc = lax.fori_loop(0, nt, lambda t, a: combine(a, tiles[:, t, :]), acc)
+    acc = lax.fori_loop(1, nt, lambda t, a: combine(a, tiles[:, t, :]), acc)
   width = lanes
   while width > 1:
     lo, hi = jnp.split(acc, 2, axis=1)

@@ -231,11 +231,16 @@ def scatter_add(opts: Options, eqn, operand, indices, updates):
   upd = jnp.transpose(updates, scatter_dims + list(window))
   upd = upd.reshape((n,) + tuple(updates.shape[d] for d in window))
   out_aval = eqn.outvars[0].aval
+  mode = params["mode"]
   rows = (dn.inserted_window_dims == (0,) and dn.scatter_dims_to_operand_dims == (0,)
-          and upd.shape[1:] == operand.shape[1:]
-          and params["mode"] == lax.GatherScatterMode.FILL_OR_DROP)
-  if rows:  # out-of-range ids are dropped there as here
-    out = _segment_rows(operand, idx[:, 0], upd)
+          and upd.shape[1:] == operand.shape[1:])
+  if rows:
+    ids = idx[:, 0]
+    if mode == lax.GatherScatterMode.CLIP:  # XLA clamps a window into the operand
+      ids = jnp.clip(ids, 0, operand.shape[0] - 1)
+    # FILL_OR_DROP drops an out-of-range id, and so does XLA's scatter under
+    # PROMISE_IN_BOUNDS (jnp indexing's gradient): _segment_rows drops them too.
+    out = _segment_rows(operand, ids, upd)
     return _as_out_type(out, out_aval)
   one_dn = lax.ScatterDimensionNumbers(
       update_window_dims=tuple(range(1, 1 + len(window))),
@@ -245,7 +250,7 @@ def scatter_add(opts: Options, eqn, operand, indices, updates):
   def body(i, acc):
     return lax.scatter_add(acc, lax.dynamic_slice_in_dim(idx, i, 1, 0),
                            lax.dynamic_slice_in_dim(upd, i, 1, 0), one_dn,
-                           indices_are_sorted=True, unique_indices=True, mode=params["mode"])
+                           indices_are_sorted=True, unique_indices=True, mode=mode)
 
   out = lax.fori_loop(0, n, body, operand)
   return _as_out_type(out, out_aval)

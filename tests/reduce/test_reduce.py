@@ -98,3 +98,60 @@ def test_bad_input():
     det_cumsum(jnp.ones(3), reverse=1, implementation="cpu")
   with pytest.raises(ValueError, match="implementation"):
     det_sum(jnp.ones(3), implementation="nonsense")
+
+
+# Rows per program, lane steps per loop iteration: knobs that must not move a bit. 12 lane
+# steps: unroll 8 leaves 4 single steps, unroll 3 none, unroll 1 is one step per iteration.
+_CONFIGS = [dict(block_rows=1, unroll=1), dict(block_rows=2, unroll=3), dict(),
+            dict(block_rows=16, unroll=8), dict(block_rows=4, unroll=16)]
+
+
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_every_kernel_config_gives_the_xla_form_bits(op):
+  from jaxrl_kernels.pallas import reduce_triton
+  from jaxrl_kernels.reduce import fixed_order
+
+  x = wide_rows(jax.random.key(2), 19, 11 * REDUCE_LANES + 5, "float32")
+  if op == "prod":  # products near 1 stay finite over 1413 terms
+    x = 1.0 + x / (4 * jnp.max(jnp.abs(x)))
+  want = fixed_order.reduce_rows(x, op=op, lanes=REDUCE_LANES, out_dtype=x.dtype)
+  for cfg in _CONFIGS if op == "sum" else _CONFIGS[:2]:
+    got = reduce_triton.reduce_rows(x, op=op, lanes=REDUCE_LANES, out_dtype=x.dtype,
+                                    interpret=True, config=reduce_triton.ReduceConfig(**cfg))
+    assert_bitwise_equal(got, want, f"{op} {cfg}")
+
+
+def test_kernel_config_errors():
+  from jaxrl_kernels.pallas import reduce_triton
+
+  x = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="unroll must be >= 1, got 0"):
+    reduce_triton.reduce_rows(x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype, interpret=True,
+                              config=reduce_triton.ReduceConfig(unroll=0))
+  with pytest.raises(ValueError, match="block_rows must be a power of two, got 3"):
+    reduce_triton.reduce_rows(x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype, interpret=True,
+                              config=reduce_triton.ReduceConfig(block_rows=3))
+  # a few long rows spread over many programs; many rows take 16 per program
+  assert reduce_triton.block_rows_for(2048, reduce_triton.ReduceConfig()) == 4
+  assert reduce_triton.block_rows_for(64, reduce_triton.ReduceConfig()) == 1
+  assert reduce_triton.block_rows_for(32768, reduce_triton.ReduceConfig()) == 16
+
+
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_short_rows_take_the_elementwise_form_with_the_kernel_bits(op):
+  # Rows of at most one lane step (sums over size-1 axes: a gradient's broadcast dims,
+  # GQA's repeat) fold from the next power of two in XLA; the kernel folds all lanes.
+  from jaxrl_kernels.pallas import reduce_triton
+  from jaxrl_kernels.reduce import fixed_order
+
+  for n in (1, 2, 3, 5, 64, 100, REDUCE_LANES):
+    x = wide_rows(jax.random.key(n), 9, n, "float32")
+    x = x.at[0].set(-0.0).at[1, 0].set(-0.0)  # -0.0 + 0.0 is +0.0 in both forms
+    if op == "prod":
+      x = 1.0 + x / (4 * jnp.max(jnp.abs(x)))
+    want = reduce_triton.reduce_rows(x, op=op, lanes=REDUCE_LANES, out_dtype=x.dtype,
+                                     interpret=True)
+    got = fixed_order.reduce_rows(x, op=op, lanes=REDUCE_LANES, out_dtype=x.dtype)
+    assert_bitwise_equal(got, want, f"{op} n={n}")
+    fn = det_sum if op == "sum" else det_prod
+    assert_bitwise_equal(fn(x, axis=1, implementation="interpret"), want, f"{op} api n={n}")
