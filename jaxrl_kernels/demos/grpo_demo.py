@@ -24,7 +24,18 @@ Step 2 runs for both paths with the *same parameters*: jaxrl_kernels
 (``implementation=None``) and the stock XLA path (``implementation="xla"``:
 ``jnp.dot``, materialised log-softmax, einsum attention), each sampling with
 its own decode path and recomputing with its own training forward. Only the
-jaxrl_kernels model is trained. Outputs: ``grpo_demo.csv`` and
+jaxrl_kernels model is trained.
+
+The policy (``--model``): a :class:`~jaxrl_kernels.nn.TinyCausalLM` preset
+(``test``, ``tiny``, ``small``; the task's 16-token vocabulary), a
+``jaxrl_kernels.models`` preset (a :class:`~jaxrl_kernels.models.DecoderLM` with
+random weights at a public shape, e.g. ``qwen2.5-0.5b``; ``--layers`` makes it
+shallower) or ``hf:PATH`` (a local Hugging Face folder). The task's tokens are ids
+0..15 of the model's vocabulary; a larger model may sample any id, and the reward
+counts only the task's answer. The stock twin is the same model object graph with
+``implementation="xla"`` holding the same parameter arrays.
+
+Outputs: ``grpo_demo.csv`` and
 ``grpo_demo.png`` (reward, and mismatch on a log scale with exact zeros drawn
 on the floor) in ``--out``; the plot needs matplotlib (``pip install
 'jaxrl_kernels[demo]'``), without it only the CSV is written.
@@ -34,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
+import json
 import os
 import time
 
@@ -44,7 +57,8 @@ import optax
 from flax import nnx
 from jax import lax
 
-from jaxrl_kernels import _backend, rl
+from jaxrl_kernels import _backend, models, rl
+from jaxrl_kernels.models import DecoderConfig, DecoderLM
 from jaxrl_kernels.nn.sampler import sample
 from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
 from jaxrl_kernels.train import Trainer
@@ -53,6 +67,9 @@ PLUS, EQ, EOS = 10, 11, 12
 VOCAB = 16
 PROMPT_LEN = 4
 NEW_TOKENS = 3  # at most two digits and <eos>: the shortest completion that can be exact
+TINY_PRESETS = ("test", "tiny", "small")
+MODEL_CHOICES = (*TINY_PRESETS, *sorted(models.PRESETS), "hf:PATH")
+MODEL_DTYPES = ("float32", "bfloat16")
 FIELDS = ("step", "reward", "exact", "max_dlogp_jaxrl", "kl_jaxrl", "ratio_exact_jaxrl",
           "max_dlogp_xla", "kl_xla", "ratio_exact_xla", "max_dlogp_jaxrl_grad",
           "ratio_exact_jaxrl_grad", "loss", "seconds")
@@ -74,8 +91,17 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                  help=f"completion tokens sampled per prompt (>= {NEW_TOKENS})")
   p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-  p.add_argument("--model", default="tiny", choices=["test", "tiny", "small"],
-                 help="TinyLMConfig preset (the vocabulary is the task's 16 tokens)")
+  p.add_argument("--model", default="tiny", metavar="MODEL",
+                 help="the policy: a TinyCausalLM preset (test, tiny, small; the task's "
+                      "16-token vocabulary), a jaxrl_kernels.models preset (DecoderLM, random "
+                      f"weights at the public shape: {', '.join(sorted(models.PRESETS))}) or "
+                      "hf:PATH (a local Hugging Face folder)")
+  p.add_argument("--model-dtype", default=None, choices=MODEL_DTYPES,
+                 help="parameter, activation and KV-cache dtype (None: float32 for the "
+                      "TinyCausalLM presets, bfloat16 for the models presets, the "
+                      "checkpoint's for hf:PATH)")
+  p.add_argument("--layers", type=int, default=None,
+                 help="num_hidden_layers of a models preset (a shallower copy for quick runs)")
   p.add_argument("--implementation", default=None, choices=_backend.IMPLEMENTATIONS,
                  help="jaxrl_kernels' implementation (None: the device's default)")
   p.add_argument("--seed", type=int, default=0, help="seed of the model, the data, sampling")
@@ -106,7 +132,132 @@ def rewards_of(completions: np.ndarray, answers: np.ndarray) -> tuple[np.ndarray
   return np.where(exact, 1.0, hits.sum(1) / valid.sum(1) * 0.5).astype(np.float32), exact
 
 
-def _jitted_logp(model: TinyCausalLM, temperature: float):
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+  """The policy that ``--model``, ``--model-dtype`` and ``--layers`` name, checked before
+  anything is built or loaded.
+
+  Attributes:
+    kind: ``"tiny"`` (a :class:`TinyLMConfig` preset), ``"preset"`` (a name of
+      ``models.PRESETS``) or ``"hf"`` (a Hugging Face folder).
+    name: the ``--model`` argument.
+    config: the model's :class:`TinyLMConfig` (vocabulary: the task's 16 ids) or
+      :class:`~jaxrl_kernels.models.DecoderConfig` (``--layers`` applied).
+    dtype: ``"float32"`` or ``"bfloat16"``; None for a folder loaded in the checkpoint's dtype.
+  """
+
+  kind: str
+  name: str
+  config: TinyLMConfig | DecoderConfig
+  dtype: str | None
+
+  @property
+  def path(self) -> str:
+    """The folder of an ``hf:PATH`` policy."""
+    return self.name[len("hf:"):]
+
+
+def policy_spec(model: str, *, dtype: str | None = None, layers: int | None = None
+                ) -> PolicySpec:
+  """Checks ``--model`` / ``--model-dtype`` / ``--layers`` and reads the architecture (an
+  ``hf:`` folder's ``config.json`` only: no weights).
+
+  Raises:
+    ValueError: naming the flag: an unknown ``--model``, a folder without
+      ``config.json``, ``--layers`` with a policy that is not a ``models`` preset or
+      below 1, an unknown ``--model-dtype``, a vocabulary smaller than the task's 16 ids.
+  """
+  if dtype is not None and dtype not in MODEL_DTYPES:
+    raise ValueError(f"grpo-demo: --model-dtype must be one of {MODEL_DTYPES}, got {dtype!r}")
+  if layers is not None:
+    if model not in models.PRESETS:
+      raise ValueError(f"grpo-demo: --layers applies to the models presets "
+                       f"({', '.join(sorted(models.PRESETS))}) only, got --model {model!r}")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+      raise ValueError(f"grpo-demo: --layers must be an int >= 1, got {layers!r}")
+  if model in TINY_PRESETS:
+    cfg = TinyLMConfig.preset(model, vocab_size=VOCAB, dtype=dtype or "float32")
+    spec = PolicySpec("tiny", model, cfg, cfg.dtype)
+  elif model in models.PRESETS:
+    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    spec = PolicySpec("preset", model, models.config(model, **overrides), dtype or "bfloat16")
+  elif model.startswith("hf:"):
+    cfg_path = os.path.join(model[len("hf:"):], "config.json")
+    if not os.path.isfile(cfg_path):
+      raise ValueError(f"grpo-demo: --model {model}: expected a Hugging Face folder with "
+                       f"config.json, but {cfg_path} does not exist")
+    with open(cfg_path) as f:
+      spec = PolicySpec("hf", model, models.from_hf_dict(json.load(f)), dtype)
+  else:
+    raise ValueError(f"grpo-demo: --model must be one of {', '.join(MODEL_CHOICES)}, got "
+                     f"{model!r}")
+  if spec.config.vocab_size < VOCAB:
+    raise ValueError(f"grpo-demo: --model {model} has a vocabulary of {spec.config.vocab_size} "
+                     f"ids, but the task's tokens are ids 0..{VOCAB - 1} (at least {VOCAB})")
+  return spec
+
+
+def _count(n: int, noun: str) -> str:
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _size(n: int) -> str:
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.1f}{unit}"
+  return str(n)
+
+
+def describe(spec: PolicySpec) -> str:
+  """One line on the policy (under 100 columns but for an ``hf:`` folder's path)."""
+  cfg = spec.config
+  if spec.kind == "tiny":
+    return (f"{spec.name}: TinyCausalLM, {_count(cfg.num_layers, 'layer')}, hidden "
+            f"{cfg.hidden}, {cfg.vocab_size} ids, {spec.dtype}")
+  weights = "random weights" if spec.kind == "preset" else "weights from the folder"
+  return (f"{spec.name}: DecoderLM {cfg.model_type}, {_count(cfg.num_hidden_layers, 'layer')}, "
+          f"{_size(cfg.num_params())} parameters, {spec.dtype or 'checkpoint dtype'}, "
+          f"{weights}")
+
+
+def build_policy(spec: PolicySpec, *, seed: int, implementation: str | None
+                 ) -> TinyCausalLM | DecoderLM:
+  """The policy on the batch-invariant kernels (``implementation``; None: the device's
+  default). Random weights (tiny and models presets) come from ``seed``."""
+  if spec.kind == "tiny":
+    cfg = dataclasses.replace(spec.config, implementation=implementation)
+    return TinyCausalLM(cfg, rngs=nnx.Rngs(seed))
+  if spec.kind == "preset":
+    return models.preset(spec.name, seed, spec.dtype, implementation=implementation,
+                         num_hidden_layers=spec.config.num_hidden_layers)
+  return models.from_pretrained(spec.path, dtype=spec.dtype, param_dtype=spec.dtype,
+                                implementation=implementation)
+
+
+def stock_twin(model: TinyCausalLM | DecoderLM) -> TinyCausalLM | DecoderLM:
+  """The stock XLA path of ``model``: the same module with ``implementation="xla"``, holding
+  the same parameter arrays (no copy; ``nnx.update`` keeps it in step after an update)."""
+  if isinstance(model, TinyCausalLM):
+    cfg = dataclasses.replace(model.config, implementation="xla")
+
+    def make():
+      return TinyCausalLM(cfg, rngs=nnx.Rngs(0))
+  elif isinstance(model, DecoderLM):
+    param_dtype = model.embed_tokens.embedding.get_value().dtype
+
+    def make():
+      return DecoderLM(model.config, dtype=model.dtype, param_dtype=param_dtype,
+                       implementation="xla", remat=model.remat, row_chunks=model.row_chunks,
+                       rngs=nnx.Rngs(0))
+  else:
+    raise TypeError(f"grpo-demo: model must be a TinyCausalLM or a DecoderLM, got "
+                    f"{type(model).__name__}")
+  # Only the graph of the abstract twin is used: no second set of weights is ever drawn.
+  graphdef, _ = nnx.split(nnx.eval_shape(make))
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def _jitted_logp(model: TinyCausalLM | DecoderLM, temperature: float):
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -138,23 +289,31 @@ def _rollout(model, prompts, key, temperature, new_tokens):
   return tokens, mask, old
 
 
-def run(args) -> list[dict]:
+def _compiling(step: int, what: str) -> None:
+  """Says what step 0 is about to compile (a real-shape model takes minutes)."""
+  if step == 0:
+    print(f"  {what} ...", flush=True)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+  """The GRPO run of :func:`main` (arguments of :func:`add_arguments`): one dict per step
+  with the :data:`FIELDS`."""
   if args.new_tokens < NEW_TOKENS:
     raise ValueError(f"grpo-demo: --new-tokens must be >= {NEW_TOKENS} (two digits and <eos>), "
                      f"got {args.new_tokens}")
-  preset = TinyLMConfig.preset(args.model)
-  cfg = TinyLMConfig(**{**preset.__dict__, "vocab_size": VOCAB,
-                        "implementation": args.implementation})
-  model = TinyCausalLM(cfg, rngs=nnx.Rngs(args.seed))
-  stock = TinyCausalLM(TinyLMConfig(**{**cfg.__dict__, "implementation": "xla"}),
-                       rngs=nnx.Rngs(args.seed))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  spec = policy_spec(args.model, dtype=args.model_dtype, layers=args.layers)
   g = args.group_size
   mb_rows = args.micro_batch_groups * g
   rows = args.prompts_per_step * g
   if rows % mb_rows:
     raise ValueError(f"grpo-demo: {rows} completions per step do not split into micro-batches "
                      f"of {args.micro_batch_groups} groups of {g}")
+  print(f"grpo-demo: {args.steps} steps of {rows} completions ({args.prompts_per_step} prompts x "
+        f"{g}), micro-batches of {mb_rows} rows")
+  print(f"model {describe(spec)} ...", flush=True)
+  model = build_policy(spec, seed=args.seed, implementation=args.implementation)
+  stock = stock_twin(model)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(p, batch, num_documents):
     m = nnx.merge(graphdef, p, rest)
@@ -180,10 +339,7 @@ def run(args) -> list[dict]:
   rng = np.random.default_rng(args.seed)
   key = jax.random.key(args.seed)
   history = []
-  print(f"grpo-demo: {args.steps} steps of {rows} completions ({args.prompts_per_step} prompts x "
-        f"{g}), micro-batches of {mb_rows} rows")
-  print("compiling the samplers and the training step (the first step takes longest) ...")
-  print(HEADER, flush=True)
+  print("compiling during step 0 (the longest step):", flush=True)
   for step in range(args.steps):
     t0 = time.perf_counter()
     nnx.update(model, nnx.merge_state(state.params, rest))
@@ -193,6 +349,8 @@ def run(args) -> list[dict]:
     key, k = jax.random.split(key)
     row = {"step": step}
     for name, m, recompute in (("jaxrl", model, train_logp), ("xla", stock, stock_logp)):
+      label = "jaxrl_kernels" if name == "jaxrl" else "stock XLA"
+      _compiling(step, f"{label}: sampler, trainer forward")
       tokens, mask, old = _rollout(m, prompts, k, args.temperature, args.new_tokens)
       # The trainer's first micro-batch, at its own batch size.
       mx = _mismatch(recompute(tokens[:mb_rows], mask[:mb_rows]), old[:mb_rows], mask[:mb_rows])
@@ -205,12 +363,15 @@ def run(args) -> list[dict]:
               "old_logp": jnp.asarray(batch_old[i:i + mb_rows]),
               "rewards": jnp.asarray(reward[i:i + mb_rows]), "first": jnp.asarray(i == 0)}
              for i in range(0, rows, mb_rows))
+    _compiling(step, "training step (jax.grad, Adam)")
     state, metrics = trainer.step(state, micro)
     row.update(max_dlogp_jaxrl_grad=float(metrics["aux"]["max_dlogp"]),
                ratio_exact_jaxrl_grad=int(metrics["aux"]["tokens_differ"]) == 0)
     row.update(reward=float(reward.mean()), exact=float(exact.mean()),
                loss=float(metrics["loss"]), seconds=time.perf_counter() - t0)
     history.append(row)
+    if step == 0:
+      print(HEADER)
     print(step_line(row), flush=True)
   return history
 
