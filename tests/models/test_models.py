@@ -511,3 +511,42 @@ def test_sampler_logp_equals_trainer_logp_bitwise(arch, tmp_path_factory):
   assert m.sum() >= 3 and np.all(lp[m] <= 0) and np.all(np.isfinite(lp)) and np.all(lp[~m] == 0)
   got = score(model, res.tokens, res.completion_mask, temperature=0.8, batch_size=1, pack=True)
   assert_bitwise_equal(got, np.asarray(res.logp), f"{arch}: score vs sampler")
+
+
+def test_layers_lower_once_and_keep_the_plain_loop_bits(monkeypatch):
+  # A program of L identical layers holds one lowered copy of the layer (called L times):
+  # its size does not grow with L, and its bits are the plain Python loop's.
+  from jaxrl_kernels.models import decoder
+
+  def build(layers):
+    cfg = models.config("qwen2.5-0.5b", num_hidden_layers=layers, vocab_size=256,
+                        hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16)
+    return models.DecoderLM(cfg, implementation="cpu", rngs=nnx.Rngs(0))
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
+
+  def programs(m):
+    g, s = nnx.split(m)
+
+    def logp(s, t):
+      return nnx.merge(g, s).logp(t[:, :-1], t[:, 1:])
+
+    def decode(s, t):
+      mm = nnx.merge(g, s)
+      h, cache = mm.prefill(t[:, :4], jnp.full((2,), 4, jnp.int32), mm.init_cache(2, 9))
+      return h, mm.decode_step(t[:, 4], cache)[0]
+
+    return [jax.jit(f).lower(s, tokens).as_text().count("stablehlo.dot_general")
+            for f in (logp, decode)], jax.jit(logp)(s, tokens), jax.jit(decode)(s, tokens)
+
+  one, _, _ = programs(build(1))
+  m = build(4)
+  four, lp, dec = programs(m)
+  assert four == one, f"dot_generals in the lowered programs: 1 layer {one}, 4 layers {four}"
+  monkeypatch.setattr(decoder, "_call_layer",
+                      lambda layer, method, *args: getattr(layer, method)(*args))
+  plain, lp_plain, dec_plain = programs(m)
+  assert plain[0] > one[0], "control: the plain loop lowers every layer"
+  assert_bitwise_equal(lp, lp_plain, "logp: shared layer vs plain loop")
+  assert_bitwise_equal(dec, dec_plain, "decode: shared layer vs plain loop")
