@@ -364,25 +364,8 @@ def layout(tokens, positions, segment_ids, max_docs, *, op: str = "DecoderLM"
   return tokens, positions, documents(positions, segment_ids, max_docs, op=op)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _shared_layer_call(graphdef, method: str, state, *args):
-  return getattr(nnx.merge(graphdef, state), method)(*args)
-
-
-def _call_layer(layer: nnx.Module, method: str, *args):
-  """``layer.<method>(*args)`` as one jitted function of the layer's graph and state.
-
-  Layers of one structure share a graph definition, so JAX traces and lowers the
-  layer once and the program calls it L times: a model's lowering (and each
-  Pallas kernel's lowering in it) costs one layer's, not L. XLA inlines the
-  calls, so the compiled program and its bits are those of the plain loop.
-  """
-  graphdef, state = nnx.split(layer)
-  return _shared_layer_call(graphdef, method, state, *args)
-
-
 def _layer_forward(layer, x, positions, docs):
-  return _call_layer(layer, "__call__", x, positions, docs)[0]
+  return layer(x, positions, docs)[0]
 
 
 def _is_traced(*xs) -> bool:
@@ -528,7 +511,7 @@ class DecoderLM(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []
     for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
-      x, k, v = _call_layer(layer, "__call__", x, positions, None)
+      x, k, v = layer(x, positions, None)
       keys.append(lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
       values.append(lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
     h = self.norm(x)[jnp.arange(b), lengths - 1]
@@ -549,7 +532,7 @@ class DecoderLM(nnx.Module):
     x = self.embed_tokens(token[:, None])
     keys, values = [], []
     for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
-      x, ck, cv = _call_layer(layer, "decode", x, ck, cv, lengths)
+      x, ck, cv = layer.decode(x, ck, cv, lengths)
       keys.append(ck)
       values.append(cv)
     h = self.norm(x)[:, 0]
