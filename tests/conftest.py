@@ -27,6 +27,14 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # (jaxrl_kernels/_backend.py explains; test_backend.py checks). The "cpu" implementation
 # needs no flag; its own test runs in a subprocess with the default flags.
 os.environ["XLA_FLAGS"] = _backend.no_fma_xla_flags()
+# On a CPU-only run (CI), LLVM's optimisation of XLA's CPU code is about a third of the
+# suite's time, and the tests' arrays are small: compile at -O0. The floating-point
+# semantics are those of every level (no fast-math, FMA contraction off by the flag above),
+# and the tests that run under a user's flags (FMA on: helpers.run_without_fma; the
+# examples; the CLI) start their own processes at the default level.
+if (os.environ.get("JAX_PLATFORMS") == "cpu"
+    and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # CI time on 2 cores is mostly XLA compiling interpreted kernels: programs that take over a
 # second to compile are kept on disk for the session, so a later test (or a module after
 # the caches below are cleared) with the same program loads it instead (same executable,

@@ -65,10 +65,12 @@ TOL = {
 
 def run_without_fma(script: str) -> dict:
   """Runs ``script`` in a fresh process with XLA's default CPU flags (FMA contraction
-  on: the suite's ``--xla_cpu_max_isa`` removed) and returns the dict it printed on a
+  on and LLVM's default optimisation: the suite's ``--xla_cpu_max_isa`` and
+  ``--xla_backend_optimization_level`` removed) and returns the dict it printed on a
   ``RESULT <json>`` line; skips when this machine's XLA does not contract (no FMA)."""
   env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith(("--xla_cpu_max_isa", "--xla_backend_optimization_level"))]
   env["XLA_FLAGS"] = " ".join(flags)
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

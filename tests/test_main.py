@@ -19,26 +19,38 @@ SMALL = ["--model", "test", "--batch", "3", "--prompt-len", "4", "--new-tokens",
          "--dtype", "float32"]
 
 
-def test_parity_is_the_default_and_exits_zero(capsys):
-  assert main(SMALL) == 0
+def test_parity_is_the_default_exits_zero_and_nonzero_when_the_trainer_drifts(capsys,
+                                                                             monkeypatch):
+  """``parity`` (the default command), then the same run with a drifting trainer: one test,
+  so the second run reuses the first one's compiled programs."""
+  # One run checks both the default command and the vocab-parallel head: the preset's V=64 is
+  # one 128-wide vocab tile, so at TP=2 the CLI pads the head to 2 x 128 itself instead of
+  # failing inside the TP head. Recomputations 1 and 2 are the ones a run without --tp makes.
+  assert main([*SMALL, "--tp", "2"]) == 0
   out = capsys.readouterr().out
   assert "jax " in out and "device" in out
   assert "== kernels" in out and "det_matmul" in out and "jnp.dot (XLA)" in out
   assert "-- stock XLA" in out and "-- jaxrl_kernels" in out
   assert out.count("logprob drift") == 2 and "approx_kl0" in out and "worst token" in out
-  # jaxrl_kernels' table says bitwise (the stock one may or may not on CPU).
+  assert "V=256 (64 padded for TP=2)" in out and "vocab-parallel head, TP=2" in out
+  # jaxrl_kernels' table says bitwise for every recomputation (the stock one may or may not
+  # on CPU).
   ours = out.split("-- jaxrl_kernels")[1]
   assert "bitwise equal  yes" in ours and "bitwise NO" not in ours
+  assert all(f"  {i}. bitwise yes" in ours for i in (1, 2, 3))
   assert "jaxrl_kernels is bitwise on-policy" in out
 
+  # The same run with the trainer's log-probs one ulp off exits 1 (it reuses the programs the
+  # run above compiled).
+  score = jaxrl_kernels.nn.sampler.score
 
-def test_parity_with_tensor_parallel_head_pads_the_vocabulary(capsys):
-  # The preset's V=64 is one 128-wide vocab tile: TP=2 needs two tiles of real ids, so the
-  # CLI pads the head to 2 x 128 itself instead of failing inside the TP head.
-  assert main(["parity", *SMALL, "--tp", "2"]) == 0
-  out = capsys.readouterr().out
-  assert "V=256 (64 padded for TP=2)" in out
-  assert "vocab-parallel head, TP=2" in out and "jaxrl_kernels is bitwise on-policy" in out
+  def one_ulp_off(*a, **kw):
+    out = score(*a, **kw)
+    return np.where(out != 0, np.nextafter(out, np.float32(0)), out)
+
+  monkeypatch.setattr(jaxrl_kernels.nn.sampler, "score", one_ulp_off)
+  assert main(["parity", *SMALL, "--tp", "2"]) == 1
+  assert "NOT bitwise on-policy" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("vocab, tp, valid", [(64, 2, None), (128, 2, None), (129, 2, 256),
@@ -119,6 +131,12 @@ def test_help_is_plain_text_with_defaults(argv, capsys):
     assert "(default: bfloat16)" in out
 
 
+def test_kernels_command(capsys):
+  assert main(["kernels", "--dtype", "float32"]) == 0
+  out = capsys.readouterr().out
+  assert "bitwise batch-invariant on this device" in out and "on-policy" not in out
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--implementation", "interpret"], True),
     (["parity", "--implementation", "cpu"], False),
@@ -133,24 +151,6 @@ def test_no_fma_flag_only_for_interpreted_kernels(argv, flag, monkeypatch):
   main(argv)
   assert ("--xla_cpu_max_isa=AVX" in seen[0]) == flag
   assert "--xla_force_host_platform_device_count=8" in seen[0]
-
-
-def test_parity_exits_nonzero_when_the_trainer_drifts(capsys, monkeypatch):
-  score = jaxrl_kernels.nn.sampler.score
-
-  def one_ulp_off(*a, **kw):
-    out = score(*a, **kw)
-    return np.where(out != 0, np.nextafter(out, np.float32(0)), out)
-
-  monkeypatch.setattr(jaxrl_kernels.nn.sampler, "score", one_ulp_off)
-  assert main(["parity", *SMALL]) == 1
-  assert "NOT bitwise on-policy" in capsys.readouterr().out
-
-
-def test_kernels_command(capsys):
-  assert main(["kernels", "--dtype", "float32"]) == 0
-  out = capsys.readouterr().out
-  assert "bitwise batch-invariant on this device" in out and "on-policy" not in out
 
 
 def test_grpo_demo_gets_its_arguments(monkeypatch):
@@ -195,7 +195,7 @@ def test_package_ships_py_typed():
 SHARDED = ["parity", "--batch", "4", "--prompt-len", "4", "--new-tokens", "3"]
 
 
-def test_rollout_tp_against_train_fsdp_on_the_tiny_default(capsys):
+def test_rollout_tp_against_train_fsdp_exits_zero_and_nonzero_on_a_drift(capsys, monkeypatch):
   assert main([*SHARDED, "--rollout-tp", "2", "--train-fsdp", "2"]) == 0
   out = capsys.readouterr().out
   assert "== rollout TP=2 vs training FSDP=2: tiny (V=1000, H=64, layers=2, float32)" in out
@@ -209,8 +209,8 @@ def test_rollout_tp_against_train_fsdp_on_the_tiny_default(capsys):
   assert "FSDP=2, packed" in out and "unsharded, chunks of 1" in out
   assert "is bitwise on-policy, every sampled token" in out
 
-
-def test_rollout_tp_exits_nonzero_when_the_fsdp_trainer_drifts(capsys, monkeypatch):
+  # The same run with the FSDP trainer one ulp off exits 1 (it reuses the programs the run
+  # above compiled).
   from jaxrl_kernels.models import ShardedDecoderLM
   score = jaxrl_kernels.nn.sampler.score
 

@@ -15,6 +15,7 @@ code in its own single process on a mesh of the same shape and compares the bits
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -58,13 +59,16 @@ def kernels_case(mesh) -> dict[str, np.ndarray]:
   tp = mesh.shape["tp"]
   wp = np.asarray(pad_vocab(jnp.asarray(w), tp, weight_layout="vh"))
   out = {}
+  # Every op jitted, as a trainer runs it: one program each (op-by-op dispatch of the same
+  # code compiles every primitive on its own and takes several times longer).
   for merge in ("all_gather", "psum"):
-    out[f"logp_{merge}"] = gather(vocab_parallel_logp(
-        h, wp, t, mesh=mesh, weight_spec=P("tp", None), vocab_size=VOCAB, token_spec=P("dp"),
-        weight_layout="vh", merge=merge))
+    fn = jax.jit(functools.partial(
+        vocab_parallel_logp, mesh=mesh, weight_spec=P("tp", None), vocab_size=VOCAB,
+        token_spec=P("dp"), weight_layout="vh", merge=merge))
+    out[f"logp_{merge}"] = gather(fn(h, wp, t))
   # Computed on one device of this process: what every process must agree with.
-  out["logp_unsharded"] = np.asarray(linear_logp(jnp.asarray(h), jnp.asarray(w), jnp.asarray(t),
-                                                 weight_layout="vh"))
+  out["logp_unsharded"] = np.asarray(jax.jit(functools.partial(linear_logp, weight_layout="vh"))(
+      jnp.asarray(h), jnp.asarray(w), jnp.asarray(t)))
 
   # The row-parallel GEMM: K split over tp, rows over dp.
   x = _wide(rng, (ROWS, K))
@@ -76,7 +80,8 @@ def kernels_case(mesh) -> dict[str, np.ndarray]:
         check_vma=False)
     out[f"matmul_{merge}"] = gather(jax.jit(fn)(_placed(x, mesh, P("dp", "tp")),
                                                 _placed(wk, mesh, P("tp", None))))
-  out["matmul_unsharded"] = np.asarray(row_parallel_matmul(jnp.asarray(x), jnp.asarray(wk)))
+  out["matmul_unsharded"] = np.asarray(jax.jit(row_parallel_matmul)(jnp.asarray(x),
+                                                                     jnp.asarray(wk)))
   return out
 
 
