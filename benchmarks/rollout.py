@@ -76,6 +76,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
                   help="override a config field, e.g. --set vocab_size=512 (smoke runs)")
   ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--row-chunks", type=int, default=None,
+                  help="DecoderLM row_chunks of o/down (default: the canonical "
+                       "ROW_PARALLEL_CHUNKS, TP-invariant; 1: one det_matmul, TP = 1 only)")
 
 
 def preset_model(args, **kw) -> DecoderLM:
@@ -83,6 +86,8 @@ def preset_model(args, **kw) -> DecoderLM:
   over = dict(parse_overrides(args.set))
   if args.layers is not None:
     over["num_hidden_layers"] = args.layers
+  if args.row_chunks is not None:
+    kw["row_chunks"] = args.row_chunks
   return models.preset(args.preset, jax.random.key(0), args.dtype, **kw, **over)
 
 
@@ -156,7 +161,8 @@ def main(argv=None) -> int:
     print(name, rows[name], flush=True)
   device = jax.devices()[0].device_kind
   lines = [
-      f"# Rollout: {args.preset} shape, {cfg.num_hidden_layers} layers, {args.dtype}", "",
+      f"# Rollout: {args.preset} shape, {cfg.num_hidden_layers} layers, {args.dtype}, "
+      f"row_chunks {model.row_chunks}", "",
       f"device {device}; jax {jax.__version__}; {datetime.date.today().isoformat()}; "
       f"{args.prompts} prompts x {args.prompt_len} tokens + {args.new_tokens} new tokens, "
       f"temperature 1; pipelined over {args.repeats} calls.", "",

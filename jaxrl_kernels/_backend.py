@@ -72,6 +72,26 @@ def is_hopper() -> bool:
   return compute_capability() == (9, 0)
 
 
+#: The name prefix of the library's jitted kernel calls (:func:`kernel_jit`).
+KERNEL_PREFIX = "jaxrl_kernels__"
+
+
+def kernel_jit(fn=None, **jit_kwargs):
+  """``jax.jit`` of one kernel call of the library, as a decorator.
+
+  A model calls the same kernel at the same shape in each of its layers; as one jitted
+  function it is lowered (and compiled by XLA) once per shape instead of once per call
+  (docs/models.md, "Compile time"). XLA inlines the call before it optimizes, so the bits
+  are those of the inline call. The function is named ``KERNEL_PREFIX + name``:
+  ``batch_invariant`` binds such calls as they are (they already hold the contract)
+  instead of rewriting the XLA code around the kernels.
+  """
+  if fn is None:
+    return functools.partial(kernel_jit, **jit_kwargs)
+  fn.__name__ = fn.__qualname__ = KERNEL_PREFIX + fn.__name__.lstrip("_")
+  return jax.jit(fn, **jit_kwargs)
+
+
 #: Appended to ``XLA_FLAGS`` (before JAX starts its backends) by the test suite:
 #: no FMA contraction in XLA's CPU code, see the module docstring.
 CPU_NO_FMA_FLAG = "--xla_cpu_max_isa=AVX"

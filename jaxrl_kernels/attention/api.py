@@ -69,6 +69,8 @@ class _Static:
   impl: str  # a key of BACKENDS
 
 
+# One jitted function per kernel shape, however many layers call it (_backend.kernel_jit).
+@_backend.kernel_jit(static_argnums=(5,))
 def _forward(q, k, v, q_positions, kv_lengths, st):
   """``(out, lse2)`` of the forward kernel of ``st.impl``."""
   return BACKENDS[st.impl].forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
@@ -85,10 +87,14 @@ def _attention_fwd(q, k, v, q_positions, kv_lengths, st):
   return out, (q, k, v, q_positions, kv_lengths, out, lse)
 
 
+@_backend.kernel_jit(static_argnums=(8,))
+def _backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, st):
+  return BACKENDS[st.impl].backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
+                                    scale=st.scale)
+
+
 def _attention_bwd(st, res, d_out):
-  q, k, v, q_positions, kv_lengths, out, lse = res
-  dq, dk, dv = BACKENDS[st.impl].backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
-                                          scale=st.scale)
+  dq, dk, dv = _backward(*res, d_out, st)
   return dq, dk, dv, None, None
 
 

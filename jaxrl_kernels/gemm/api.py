@@ -43,6 +43,9 @@ def backend(implementation: str) -> GemmBackend:
   return BACKENDS[implementation]
 
 
+# One jitted function per kernel shape, however many layers call it (_backend.kernel_jit).
+@_backend.kernel_jit(static_argnames=("lhs_transposed", "rhs_transposed", "out_dtype",
+                                      "implementation"))
 def matmul2d(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
              out_dtype, implementation: str) -> jax.Array:
   """One 2-D product ``op(lhs) @ op(rhs)`` on an already resolved implementation.

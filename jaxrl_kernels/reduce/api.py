@@ -89,9 +89,15 @@ def _reduce2d(x2, op: str, impl: str):
     # Rows of at most one lane step (a sum over a size-1 or short axis) are one fused
     # elementwise pass in XLA, the kernel's bits (fixed_order.reduce_rows).
     return fixed_order.reduce_rows(x2, op=op, lanes=REDUCE_LANES, out_dtype=x2.dtype)
+  return _kernel_rows(x2, op=op, interpret=impl == "interpret")
+
+
+# One jitted function per kernel shape, however many calls (_backend.kernel_jit).
+@_backend.kernel_jit(static_argnames=("op", "interpret"))
+def _kernel_rows(x2, *, op: str, interpret: bool):
   from jaxrl_kernels.pallas import reduce_triton
   return reduce_triton.reduce_rows(x2, op=op, lanes=REDUCE_LANES, out_dtype=x2.dtype,
-                                   interpret=impl == "interpret")
+                                   interpret=interpret)
 
 
 def _reduce2d_fwd(x2, op, impl):

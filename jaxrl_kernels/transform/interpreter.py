@@ -8,6 +8,8 @@ is bound again with each inner jaxpr rewritten the same way, and every other
 equation is bound as it is. A call of ``jax.nn.dot_product_attention`` (its
 marked ``jit``, or jax's cuDNN ``custom_vjp_call``) becomes the library's
 attention where it fits (:mod:`jaxrl_kernels.transform.attention`).
+The library's own kernel calls (``jit`` functions named by
+:func:`jaxrl_kernels._backend.kernel_jit`) are bound as they are: they hold the contract.
 Custom derivative rules are kept; the jaxprs they produce (a custom JVP, a custom
 VJP's forward) are rewritten when JAX asks for them, so the forward alone and the
 forward inside a training step run the same rewritten primitives.
@@ -24,6 +26,7 @@ from jax._src import core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
+from jaxrl_kernels import _backend
 from jaxrl_kernels.transform import attention
 from jaxrl_kernels.transform import rules as rules_mod
 from jaxrl_kernels.transform.rules import Options, Unsupported
@@ -201,6 +204,10 @@ def _apply(eqn, invals, opts: Options, left: list[str]):
       out = None
     if out is not None:
       return out
+    return _bind(eqn, eqn.params, invals)
+  if name in ("jit", "pjit") and eqn.params["name"].startswith(_backend.KERNEL_PREFIX):
+    # One of the library's own kernel calls (_backend.kernel_jit): it holds the contract
+    # as it is (and its glue, e.g. the attention backward's row sums, is already fixed).
     return _bind(eqn, eqn.params, invals)
   if name in attention.CALL_PRIMITIVES:
     try:

@@ -118,6 +118,34 @@ def test_reductions_are_rewritten_and_invariant():
   assert "reduce_sum" not in text.replace("reduce_sum_p", "") or "pallas" in text
 
 
+def test_library_kernel_calls_keep_their_bits():
+  """The library's own ops inside a transformed function (det_matmul, causal_attention
+  forward and backward, det_sum) are bound as they are: the transformed function and its
+  gradient give the untransformed bits (before, the attention backward's row sums were
+  rewritten as batched products: other bits, and on a GPU 32768 one-element GEMMs)."""
+  from jaxrl_kernels import causal_attention, det_sum
+
+  ks = jax.random.split(jax.random.key(30), 4)
+  q = jax.random.normal(ks[0], (2, 24, 4, 32))
+  k = jax.random.normal(ks[1], (2, 24, 2, 32))
+  v = jax.random.normal(ks[2], (2, 24, 2, 32))
+  w = jax.random.normal(ks[3], (128, 40)) * 0.1
+
+  def f(q, k, v, w):
+    o = causal_attention(q, k, v)
+    return det_sum(det_matmul(o.reshape(48, 128), w), axis=-1)
+
+  def loss(fn):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3)))
+
+  (val, grads), (val_t, grads_t) = loss(f)(q, k, v, w), loss(batch_invariant(f))(q, k, v, w)
+  assert_bitwise_equal(val_t, val, "value")
+  for name, g, gt in zip("qkvw", grads, grads_t):
+    assert_bitwise_equal(gt, g, f"d{name}")
+  text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(batch_invariant(f)(*a))))(q, k, v, w))
+  assert "jaxrl_kernels__matmul2d" in text and "jaxrl_kernels__backward" in text
+
+
 def test_argmax_first_index_on_ties():
   x = jnp.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
   out = batch_invariant(lambda x: (jnp.argmax(x, -1), jnp.argmin(-x, -1)))(x)
