@@ -46,6 +46,9 @@ from jaxrl_kernels import models  # noqa: E402
 from jaxrl_kernels.models.decoder import DecoderLM  # noqa: E402
 from jaxrl_kernels.nn.sampler import sample, score  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import breakdown_lines, kernel_breakdown, per_step  # noqa: E402
+
 
 def with_implementation(model: DecoderLM, implementation: str | None) -> DecoderLM:
   """The same parameters (shared arrays, no copy) under another implementation."""
@@ -110,8 +113,18 @@ def _timed(fn, repeats: int, what: str) -> float:
   return (time.perf_counter() - t0) / repeats
 
 
+def step_kernels(model: DecoderLM, prompts, lens, steps: int = 8):
+  """The kernels of one decode step (sampler head and sampling included): CUPTI breakdowns
+  of a rollout of ``1 + steps`` tokens minus one of 1 token, per step; None without CUPTI."""
+  key = jax.random.key(0)
+  short = kernel_breakdown(lambda: sample(model, prompts, lens, max_new_tokens=1, key=key))
+  long = kernel_breakdown(lambda: sample(model, prompts, lens, max_new_tokens=1 + steps,
+                                         key=key))
+  return per_step(short, long, steps)
+
+
 def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check: bool,
-        score_batch: int) -> dict:
+        score_batch: int, profile: bool = False) -> dict:
   key = jax.random.key(0)
   t_g = _timed(lambda: sample(model, prompts, lens, max_new_tokens=new_tokens, key=key),
                repeats, f"rollout of {new_tokens} tokens")
@@ -119,6 +132,9 @@ def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check
                "prefill + 1 token")
   row = {"s_per_rollout": t_g, "tok_s": prompts.shape[0] * new_tokens / t_g,
          "step_ms": 1e3 * (t_g - t_1) / max(new_tokens - 1, 1), "prefill_ms": 1e3 * t_1}
+  if profile:
+    progress("kernel breakdown of one decode step (CUPTI)")
+    row["kernels"] = step_kernels(model, prompts, lens)
   if check:
     progress("sampler == trainer check")
     res = sample(model, prompts, lens, max_new_tokens=new_tokens, key=key)
@@ -141,6 +157,9 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--score-batch", type=int, default=8, help="rows per trainer forward")
   ap.add_argument("--no-check", action="store_true", help="skip the sampler == trainer check")
+  ap.add_argument("--profile", action="store_true",
+                  help="append each path's per-kernel breakdown of one decode step (CUPTI)")
+  ap.add_argument("--top", type=int, default=15, help="longest kernels listed per path")
   ap.add_argument("--only", choices=("kernels", "stock"), default=None)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
@@ -157,8 +176,9 @@ def main(argv=None) -> int:
     progress(name)
     m = with_implementation(model, impl)
     rows[name] = run(m, prompts, lens, new_tokens=args.new_tokens, repeats=args.repeats,
-                     check=not args.no_check, score_batch=args.score_batch)
-    print(name, rows[name], flush=True)
+                     check=not args.no_check, score_batch=args.score_batch,
+                     profile=args.profile)
+    print(name, {k: v for k, v in rows[name].items() if k != "kernels"}, flush=True)
   device = jax.devices()[0].device_kind
   lines = [
       f"# Rollout: {args.preset} shape, {cfg.num_hidden_layers} layers, {args.dtype}, "
@@ -179,6 +199,9 @@ def main(argv=None) -> int:
     k, s = rows["jaxrl_kernels"], rows["stock (xla)"]
     lines += ["", f"jaxrl_kernels / stock tokens/s: {k['tok_s'] / s['tok_s']:.3f}x; per-step "
               f"latency ratio {k['step_ms'] / s['step_ms']:.3f}."]
+  if args.profile:
+    for name, r in rows.items():
+      lines += breakdown_lines(f"{name}: one decode step", r.get("kernels"), args.top)
   table = "\n".join(lines) + "\n"
   print(table)
   if args.out:

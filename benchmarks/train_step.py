@@ -36,6 +36,7 @@ from flax import nnx
 from jaxrl_kernels.models.decoder import DecoderLM
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _timing import breakdown_lines, kernel_breakdown  # noqa: E402
 from rollout import add_model_args, preset_model, progress, with_implementation  # noqa: E402
 
 
@@ -67,13 +68,19 @@ def packed_batch(n_tokens: int, row_len: int, vocab: int, seed: int = 0) -> dict
               segment_ids=segments, max_docs=n_docs)
 
 
-def make_step(graphdef, rest, tx, max_docs: int):
+def make_loss(graphdef, rest, max_docs: int):
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params, rest)
     lp = model.logp(batch["tokens"], batch["targets"], batch["mask"],
                     positions=batch["positions"], segment_ids=batch["segment_ids"],
                     max_docs=max_docs)
     return -jnp.sum(lp) / jnp.maximum(jnp.sum(batch["mask"]), 1)
+
+  return loss_fn
+
+
+def make_step(graphdef, rest, tx, max_docs: int):
+  loss_fn = make_loss(graphdef, rest, max_docs)
 
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -83,7 +90,7 @@ def make_step(graphdef, rest, tx, max_docs: int):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def run(model: DecoderLM, batch: dict, *, repeats: int) -> dict:
+def run(model: DecoderLM, batch: dict, *, repeats: int, profile: bool = False) -> dict:
   max_docs = batch.pop("max_docs")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = jax.tree.map(lambda x: x.copy(), params)  # donated: keep the caller's arrays
@@ -110,7 +117,13 @@ def run(model: DecoderLM, batch: dict, *, repeats: int) -> dict:
   jax.block_until_ready(losses)
   dt = (time.perf_counter() - t0) / repeats
   n = int(np.prod(batch["tokens"].shape))
-  return {"s_per_step": dt, "tok_s": n / dt, "peak_gib": None if peak is None else peak / 2**30,
+  kernels = None
+  if profile:
+    progress("kernel breakdown of forward + backward (CUPTI)")
+    grad_fn = jax.jit(jax.value_and_grad(make_loss(graphdef, rest, max_docs)))
+    kernels = kernel_breakdown(grad_fn, params, batch)
+  return {"kernels": kernels, "s_per_step": dt, "tok_s": n / dt,
+          "peak_gib": None if peak is None else peak / 2**30,
           "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2**30,
           "loss": float(losses[-1])}
 
@@ -122,6 +135,9 @@ def main(argv=None) -> int:
   ap.add_argument("--row-len", type=int, default=4096)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--remat", action="store_true", help="recompute layer activations")
+  ap.add_argument("--profile", action="store_true",
+                  help="append each path's per-kernel breakdown of forward + backward (CUPTI)")
+  ap.add_argument("--top", type=int, default=15, help="longest kernels listed per path")
   ap.add_argument("--only", choices=("kernels", "stock"), default=None)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
@@ -134,8 +150,9 @@ def main(argv=None) -> int:
   for name, impl in paths.items():
     progress(name)
     batch = packed_batch(args.tokens, args.row_len, cfg.vocab_size)
-    rows[name] = run(with_implementation(model, impl), batch, repeats=args.repeats)
-    print(name, rows[name], flush=True)
+    rows[name] = run(with_implementation(model, impl), batch, repeats=args.repeats,
+                     profile=args.profile)
+    print(name, {k: v for k, v in rows[name].items() if k != "kernels"}, flush=True)
   device = jax.devices()[0].device_kind
   lines = [
       f"# Training step: {args.preset} shape, {cfg.num_hidden_layers} layers, {args.dtype}"
@@ -158,6 +175,9 @@ def main(argv=None) -> int:
     if k["peak_gib"] and s["peak_gib"]:
       ratio += f"; step memory {k['peak_gib'] / s['peak_gib']:.3f}x"
     lines += ["", ratio + "."]
+  if args.profile:
+    for name, r in rows.items():
+      lines += breakdown_lines(f"{name}: forward + backward", r["kernels"], args.top)
   table = "\n".join(lines) + "\n"
   print(table)
   if args.out:

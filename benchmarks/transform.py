@@ -37,7 +37,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "transform"))
 import llama_jnp as L  # noqa: E402
-from _timing import device_ms  # noqa: E402
+from _timing import breakdown_lines, device_ms, kernel_breakdown  # noqa: E402
 
 import jaxrl_kernels as jk  # noqa: E402
 from jaxrl_kernels.transform import batch_invariant  # noqa: E402
@@ -52,60 +52,6 @@ def pipelined_ms(f, *args, iters: int) -> float:
     out = f(*args)
   jax.block_until_ready(out)
   return (time.perf_counter() - t0) * 1e3 / iters
-
-
-# Kernel name fragments of each class (CUPTI names; XLA's own kernels and the library's).
-_CLASSES = (
-    ("attention", ("attention", "fmha", "flash", "cudnn", "sdpa")),
-    ("reduction", ("det_sum", "det_prod", "det_cum", "reduce", "softmax", "_rows")),
-    ("GEMM", ("matmul", "gemm", "nvjet", "xmma", "cutlass", "cublas", "dot", "mosaic",
-              "kernel")),
-)
-
-
-def kernel_class(name: str) -> str:
-  """``"attention"``, ``"reduction"``, ``"GEMM"`` or ``"other"`` for a kernel name."""
-  low = name.lower()
-  for cls, frags in _CLASSES:
-    if any(f in low for f in frags):
-      return cls
-  return "other"
-
-
-def kernel_breakdown(f, *args) -> list[tuple[str, float]] | None:
-  """``[(kernel name, ms), ...]`` of one call of ``f`` (CUPTI), or None without CUPTI."""
-  jax.block_until_ready(f(*args))
-  try:
-    from jax.experimental.mosaic.gpu import profiler
-    _, timings = profiler.measure(f, aggregate=False)(*args)
-  except Exception:  # noqa: BLE001 - no CUPTI here (CPU): no breakdown
-    return None
-  return list(timings) if timings else None
-
-
-def breakdown_lines(title: str, timings: list[tuple[str, float]] | None, top: int) -> list[str]:
-  if timings is None:
-    return [f"\n{title}: no per-kernel breakdown (CUPTI is unavailable on this device)"]
-  total = sum(ms for _, ms in timings) or 1.0
-  by_class: dict[str, list[float]] = {}
-  for name, ms in timings:
-    by_class.setdefault(kernel_class(name), []).append(ms)
-  lines = [f"\n{title}: {total:.3f} ms in {len(timings)} kernels",
-           "", "| class | kernels | ms | share |", "|---|---|---|---|"]
-  for cls in ("GEMM", "reduction", "attention", "other"):
-    ms = by_class.get(cls, [])
-    lines.append(f"| {cls} | {len(ms)} | {sum(ms):.3f} | {100 * sum(ms) / total:.1f}% |")
-  agg: dict[str, list[float]] = {}
-  for name, ms in timings:
-    agg.setdefault(name, []).append(ms)
-  longest = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
-  lines += ["", f"longest kernels (of {len(agg)} distinct):", "",
-            "| kernel | class | calls | ms | share |", "|---|---|---|---|---|"]
-  for name, ms in longest:
-    short = name if len(name) <= 70 else name[:67] + "..."
-    lines.append(f"| `{short}` | {kernel_class(name)} | {len(ms)} | {sum(ms):.3f} | "
-                 f"{100 * sum(ms) / total:.1f}% |")
-  return lines
 
 
 def main() -> None:
