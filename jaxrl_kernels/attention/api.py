@@ -212,4 +212,28 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return causal_attention_xla(q, k, v, q_positions, kv_lengths, scale=scale)
   if q.size == 0 or s_len == 0:
     return jnp.zeros_like(q)
-  return _attention(q, k, v, q_positions, kv_lengths, _Static(scale, impl))
+  return _grouped_as_rows(q, k, v, q_positions, kv_lengths, _Static(scale, impl))
+
+
+def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
+  """The kernel call with each KV group's query heads as rows of one head.
+
+  ``q [B, T, Hkv * G, D]`` is presented to the kernels as ``[B, T * G, Hkv, D]`` (row
+  ``t * G + g`` is query ``t`` of head ``h * G + g``, at position ``q_positions[b, t]``),
+  so one kernel program serves a whole group: a decode step fills ``G`` rows of a query
+  block instead of one, and each KV tile is read once per group instead of ``G`` times.
+  The kernels' instructions are unchanged, and a row's bits do not depend on which block
+  slot it occupies or on its block-mates (the contract's decode == prefill, batch and
+  chunking invariances), so every output row has the bits of the unfolded call
+  (``tests/attention/test_attention.py::test_group_folding_keeps_the_bits``). Gradients:
+  ``dq`` rows likewise; ``dk``/``dv`` sum over the group's rows in the folded order.
+  """
+  bsz, tq, hq, d = q.shape
+  hkv = k.shape[2]
+  group = hq // hkv
+  if group == 1:
+    return _attention(q, k, v, q_positions, kv_lengths, st)
+  rows = q.reshape(bsz, tq, hkv, group, d).transpose(0, 1, 3, 2, 4).reshape(
+      bsz, tq * group, hkv, d)
+  out = _attention(rows, k, v, jnp.repeat(q_positions, group, axis=1), kv_lengths, st)
+  return out.reshape(bsz, tq, group, hkv, d).transpose(0, 1, 3, 2, 4).reshape(bsz, tq, hq, d)

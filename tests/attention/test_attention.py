@@ -74,6 +74,41 @@ def test_gradients_match_float64_reference(dtype, hq, hkv):
   assert not np.any(np.asarray(grads[2][1, 60:], np.float32))
 
 
+@pytest.mark.parametrize("impl", ["interpret", "cpu"])
+@pytest.mark.parametrize("dtype,hq,hkv,tq", [
+    (jnp.float32, 4, 2, 70), (jnp.bfloat16, 6, 2, 70), (jnp.bfloat16, 7, 1, 1),
+    (jnp.float16, 6, 3, 5),
+])
+def test_group_folding_keeps_the_bits(impl, dtype, hq, hkv, tq):
+  """GQA: the query heads of a group run as rows of one head (api._grouped_as_rows). Every
+  output row and dq row has the bits of the unfolded kernel call (a row's bits do not
+  depend on its block slot or its block-mates); dk/dv (other summation order) agree to
+  rounding. A decode step (tq = 1) included."""
+  from jaxrl_kernels.attention import api
+
+  b, s, d = 2, 70, 16
+  q, k, v = inputs(9, b, tq, s, hq, hkv, d, dtype, spread=3)
+  pos = np.stack([s - tq + np.arange(tq), np.r_[np.arange(tq - 1), -1]]).astype(np.int32)
+  kvl = np.array([s, 41], np.int32)
+  st = api._Static(1 / np.sqrt(d), impl)
+
+  def folded(q, k, v):
+    return causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl, implementation=impl)
+
+  def unfolded(q, k, v):
+    return api._attention(q, k, v, jnp.asarray(pos), jnp.asarray(kvl), st)
+
+  assert_bitwise_equal(jax.jit(folded)(q, k, v), jax.jit(unfolded)(q, k, v), "output")
+  w = jax.random.normal(jax.random.key(3), q.shape).astype(dtype)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w),
+                                    argnums=(0, 1, 2)))(q, k, v)
+  (dq_f, dk_f, dv_f), (dq_u, dk_u, dv_u) = grad(folded), grad(unfolded)
+  assert_bitwise_equal(dq_f, dq_u, "dq")
+  tol = TOL[jnp.dtype(dtype).name][0]
+  for name, x, y in (("dk", dk_f, dk_u), ("dv", dv_f, dv_u)):
+    assert rel_err(x, np.asarray(y, np.float64)) <= tol, name
+
+
 def test_jit_vmap_compose():
   q, k, v = inputs(8, 2, 20, 20, 2, 1, 16, jnp.float32)
   qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
