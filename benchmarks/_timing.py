@@ -56,12 +56,29 @@ def kernel_class(name: str) -> str:
   return "other"
 
 
+class _Dispatched(jax.stages.Wrapped):
+  """``f`` as it is: ``profiler.measure`` wraps anything else in ``jax.jit``, and an outer
+  trace around a function that calls ``nnx.jit`` on a module it closes over breaks it."""
+
+  def __init__(self, f):
+    self._f = f
+
+  def __call__(self, *args, **kwargs):
+    return self._f(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    raise NotImplementedError
+
+  def lower(self, *args, **kwargs):
+    raise NotImplementedError
+
+
 def kernel_breakdown(f, *args) -> list[tuple[str, float]] | None:
   """``[(kernel name, ms), ...]`` of one call of ``f`` (CUPTI), or None without CUPTI."""
   jax.block_until_ready(f(*args))
   try:
     from jax.experimental.mosaic.gpu import profiler
-    _, timings = profiler.measure(f, aggregate=False)(*args)
+    _, timings = profiler.measure(_Dispatched(f), aggregate=False)(*args)
   except Exception:  # noqa: BLE001 - no CUPTI here (CPU): no breakdown
     return None
   return list(timings) if timings else None
