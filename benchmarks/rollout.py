@@ -39,12 +39,14 @@ from jaxrl_kernels._backend import no_fma_xla_flags
 os.environ["XLA_FLAGS"] = no_fma_xla_flags()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl_kernels import models  # noqa: E402
 from jaxrl_kernels.models.decoder import DecoderLM  # noqa: E402
-from jaxrl_kernels.nn.sampler import sample, score  # noqa: E402
+from jaxrl_kernels.nn import logp_from_stats  # noqa: E402
+from jaxrl_kernels.nn.sampler import CACHE_ALIGN, draw, sample, score  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import breakdown_lines, kernel_breakdown, per_step  # noqa: E402
@@ -113,13 +115,35 @@ def _timed(fn, repeats: int, what: str) -> float:
   return (time.perf_counter() - t0) / repeats
 
 
-def step_kernels(model: DecoderLM, prompts, lens, steps: int = 8):
-  """The kernels of one decode step (sampler head and sampling included): CUPTI breakdowns
-  of a rollout of ``1 + steps`` tokens minus one of 1 token, per step; None without CUPTI."""
-  key = jax.random.key(0)
-  short = kernel_breakdown(lambda: sample(model, prompts, lens, max_new_tokens=1, key=key))
-  long = kernel_breakdown(lambda: sample(model, prompts, lens, max_new_tokens=1 + steps,
-                                         key=key))
+def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 8):
+  """The kernels of one decode step (sampler head, draw and decode_step, as the sampler's
+  loop body runs them), or None without CUPTI.
+
+  One executable: prefill, then a ``fori_loop`` over a traced number of steps (the cache
+  carried in the loop, updated in place as in the sampler); its CUPTI breakdown at
+  ``1 + steps`` steps minus the one at 1 step, per kernel name, per step. The cache is the
+  sampler's (prompt + ``new_tokens`` slots, aligned); the steps run right after the prompt."""
+  graphdef, state = nnx.split(model)
+  b, p = prompts.shape
+
+  @jax.jit
+  def rollout(state, prompts, lens, n):
+    m = nnx.merge(graphdef, state)
+    cache_len = -(-(p + new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
+    h, cache = m.prefill(prompts, lens, m.init_cache(b, cache_len))
+
+    def body(i, carry):
+      h, cache, total = carry
+      logits, stats = m.head.logits(h, temperature=1.0, return_stats=True)
+      tok = draw(jax.random.fold_in(jax.random.key(0), i), logits)
+      total = total + logp_from_stats(logits, stats, tok)
+      h, cache = m.decode_step(tok, cache)
+      return h, cache, total
+
+    return jax.lax.fori_loop(0, n, body, (h, cache, jnp.zeros((b,), jnp.float32)))[2]
+
+  short = kernel_breakdown(rollout, state, prompts, lens, jnp.int32(1))
+  long = kernel_breakdown(rollout, state, prompts, lens, jnp.int32(1 + steps))
   return per_step(short, long, steps)
 
 
@@ -134,7 +158,7 @@ def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check
          "step_ms": 1e3 * (t_g - t_1) / max(new_tokens - 1, 1), "prefill_ms": 1e3 * t_1}
   if profile:
     progress("kernel breakdown of one decode step (CUPTI)")
-    row["kernels"] = step_kernels(model, prompts, lens)
+    row["kernels"] = step_kernels(model, prompts, lens, new_tokens)
   if check:
     progress("sampler == trainer check")
     res = sample(model, prompts, lens, max_new_tokens=new_tokens, key=key)

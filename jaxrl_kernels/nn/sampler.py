@@ -117,6 +117,9 @@ def draw(key: jax.Array, logits: jax.Array, *, top_k: int | None = None,
   return jnp.take_along_axis(ids, choice[..., None], axis=-1)[..., 0].astype(jnp.int32)
 
 
+CACHE_ALIGN = 64  # cache slots per row: a multiple of this (every attention key tile)
+
+
 def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
               top_p: float | None):
@@ -124,7 +127,11 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   n = max_new_tokens
   total = p + n
   rows = jnp.arange(b)
-  h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, total))
+  # The cache rounded up to whole key tiles: a key length the Mosaic attention's TMA does
+  # not take would be padded (copied) per layer per step. Slots past a row's length are
+  # never read, so the bits are those of any other cache length.
+  cache_len = -(-total // CACHE_ALIGN) * CACHE_ALIGN
+  h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, cache_len))
   cols = jnp.arange(total)
   tokens = jnp.where(cols < prompt_lengths[:, None], jnp.pad(prompts, ((0, 0), (0, n))), 0)
   state = (tokens, jnp.zeros((b, total), bool), jnp.zeros((b, total), jnp.float32),
@@ -192,7 +199,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     model: a :class:`CausalLM` (``TinyCausalLM``, ``models.DecoderLM``).
     prompts: ``[B, P]`` int, right-padded.
     prompt_lengths: ``[B]`` int in ``[1, P]``.
-    max_new_tokens: static ``N >= 1``; the cache holds ``P + N`` positions.
+    max_new_tokens: static ``N >= 1``; the cache holds ``P + N`` positions (rounded up to
+      a multiple of :data:`CACHE_ALIGN`).
     key: a PRNG key. The same key, model and inputs give the same tokens.
     temperature: static float > 0.
     eos_id: optional stop id (kept for compatibility; joins ``stop_ids``).

@@ -68,15 +68,30 @@ class BackwardConfig:
   Attributes:
     dq_block_q, dq_block_k: query rows per dQ program and its key step.
     dkv_block_q, dkv_block_k: query step and key rows per dK/dV program.
+    dkv_split_rows: query rows (of all the group's heads) per dK/dV program: a key
+      block's rows are cut into ``ceil(G * Tq / dkv_split_rows)`` ranges, one program
+      each, whose float32 partials are summed in range order (more programs for the
+      long causal walks of few heads; the order is fixed by the shape).
     num_warps, num_stages: Triton compiler parameters.
   """
 
   dq_block_q: int = 64
   dq_block_k: int = 32
-  dkv_block_q: int = 32
+  dkv_block_q: int = 64
   dkv_block_k: int = 64
+  dkv_split_rows: int = 2048
   num_warps: int = 4
   num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("dq_block_q", "dq_block_k", "dkv_block_q", "dkv_block_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 16 or v & (v - 1):
+        raise ValueError(f"BackwardConfig: {name} must be a power of two >= 16, got {v!r}")
+    if (not isinstance(self.dkv_split_rows, int) or self.dkv_split_rows < self.dkv_block_q
+        or self.dkv_split_rows % self.dkv_block_q):
+      raise ValueError(f"BackwardConfig: dkv_split_rows must be a positive multiple of "
+                       f"dkv_block_q = {self.dkv_block_q}, got {self.dkv_split_rows!r}")
 
 
 def padded_head_dim(d: int) -> int:
@@ -235,11 +250,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, tq, s_len, d, hkv, group, scale, precision, block_q, block_k):
+                dv_ref, *, tq, s_len, d, hkv, group, scale, precision, block_q, block_k,
+                split_blocks, n_split):
   dp = padded_head_dim(d)
   kb = pl.program_id(0)
   b = pl.program_id(1) // hkv
   hk = pl.program_id(1) % hkv
+  split = pl.program_id(2)
   key0 = kb * block_k
   d_ok = lax.broadcasted_iota(jnp.int32, (dp,), 0) < d
   kv_len = jnp.minimum(kvl_ref[b], s_len)
@@ -273,12 +290,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
     return lax.cond(jnp.max(last) >= key0, update, lambda c: c, carry)
 
   zeros = jnp.zeros((block_k, dp), jnp.float32)
-  dk, dv = lax.fori_loop(0, group * n_qb, q_block, (zeros, zeros))
+  # This program's range of the (head in group, query block) walk.
+  first = split * split_blocks
+  dk, dv = lax.fori_loop(first, jnp.minimum(first + split_blocks, group * n_qb), q_block,
+                         (zeros, zeros))
   store_ok = _kv_tile_mask(key0, block_k, s_len)[:, None] & d_ok[None, :]
-  pltriton.store(dk_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
-                 (dk * jnp.float32(scale)).astype(dk_ref.dtype), mask=store_ok)
-  pltriton.store(dv_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
-                 dv.astype(dv_ref.dtype), mask=store_ok)
+  if n_split == 1:
+    pltriton.store(dk_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
+                   (dk * jnp.float32(scale)).astype(dk_ref.dtype), mask=store_ok)
+    pltriton.store(dv_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
+                   dv.astype(dv_ref.dtype), mask=store_ok)
+  else:  # float32 partials [n_split, B, S, Hkv, D], summed outside in range order
+    pltriton.store(dk_ref.at[split, b, pl.ds(key0, block_k), hk, pl.ds(0, dp)], dk,
+                   mask=store_ok)
+    pltriton.store(dv_ref.at[split, b, pl.ds(key0, block_k), hk, pl.ds(0, dp)], dv,
+                   mask=store_ok)
 
 
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
@@ -308,13 +334,24 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
       name="causal_attention_dq",
       **params,
   )(*args)
+  split_blocks = cfg.dkv_split_rows // cfg.dkv_block_q
+  n_split = cdiv(group * cdiv(tq, cfg.dkv_block_q), split_blocks)
+  if n_split == 1:
+    out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  else:
+    out_shape = 2 * (jax.ShapeDtypeStruct((n_split, *k.shape), jnp.float32),)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, hkv=hkv, block_q=cfg.dkv_block_q, block_k=cfg.dkv_block_k,
-                        **common),
-      grid=(cdiv(s_len, cfg.dkv_block_k), bsz * hkv),
-      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                        split_blocks=split_blocks, n_split=n_split, **common),
+      grid=(cdiv(s_len, cfg.dkv_block_k), bsz * hkv, n_split),
+      out_shape=out_shape,
       interpret=interpret,
       name="causal_attention_dkv",
       **params,
   )(*args)
+  if n_split > 1:
+    # The ranges' partials in range order: one fixed chain of float32 adds per element.
+    dk, dv = (functools.reduce(jnp.add, [p[i] for i in range(n_split)]) for p in (dk, dv))
+    dk = (dk * jnp.float32(scale)).astype(k.dtype)
+    dv = dv.astype(v.dtype)
   return dq, dk, dv

@@ -62,7 +62,7 @@ class TuningConfig:
 
   block_t: int = 128
   group_t: int = 8
-  merge_block_t: int = 256
+  merge_block_t: int = 64
   num_warps: int = 8
   num_stages: int = 3
 
@@ -207,6 +207,18 @@ def tile_partials(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
   return m, s, u, tz
 
 
+# The merge is a sequential fold over the vocabulary tiles per row (1187 steps at
+# V = 151936): latency-bound. It loads MERGE_UNROLL tiles ahead of folding them, in 64-row
+# programs, one warp for a single program's rows (a decode step), else four. H100, n = 1187:
+# T = 64: 330 -> 90 us; T = 8192: 620 -> 105 us (benchmarks/results/linear_logp_h100.md).
+# None of these changes a bit: each row's steps are the same operations in the same order.
+MERGE_UNROLL = 16
+
+
+def merge_num_warps(t: int) -> int:
+  return 1 if t <= 64 else 4
+
+
 def _merge_kernel(m_ref, s_ref, u_ref, lse_ref, mean_ref, ent_ref, *, t, n, block,
                   interpret=False):
   # Interpreted: exp/log from basic operations (see softmax_partials.tile_stats)
@@ -215,17 +227,28 @@ def _merge_kernel(m_ref, s_ref, u_ref, lse_ref, mean_ref, ent_ref, *, t, n, bloc
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block,), 0)
   ok = rows < t
 
+  exp = sp.exp_arith if interpret else jnp.exp
+
+  def load(k):
+    return tuple(pltriton.load(r.at[k, pl.ds(row0, block)], mask=ok, other=0)
+                 for r in (m_ref, s_ref, u_ref))
+
   def body(k, state):
-    m, s, u = state
-    mt = pltriton.load(m_ref.at[k, pl.ds(row0, block)], mask=ok, other=0)
-    st = pltriton.load(s_ref.at[k, pl.ds(row0, block)], mask=ok, other=0)
-    ut = pltriton.load(u_ref.at[k, pl.ds(row0, block)], mask=ok, other=0)
-    return sp.merge_step(m, s, u, mt, st, ut, exp=sp.exp_arith if interpret else jnp.exp)
+    return sp.merge_step(*state, *load(k), exp=exp)
+
+  def unrolled(c, state):
+    # MERGE_UNROLL tiles' loads issued before their merge steps: the steps are the
+    # sequential fold's, in the same order (the same bits); only the loads overlap.
+    parts = [load(c * MERGE_UNROLL + j) for j in range(MERGE_UNROLL)]
+    for part in parts:
+      state = sp.merge_step(*state, *part, exp=exp)
+    return state
 
   init = (jnp.full((block,), -jnp.inf, jnp.float32), jnp.zeros((block,), jnp.float32),
           jnp.zeros((block,), jnp.float32))
   # Ascending tile order: the contract that makes the merge reproducible.
-  m, s, u = lax.fori_loop(0, n, body, init)
+  state = lax.fori_loop(0, n // MERGE_UNROLL, unrolled, init)
+  m, s, u = lax.fori_loop(n - n % MERGE_UNROLL, n, body, state)
   lse, mean_z, ent = sp.finalize_stats(m, s, u, log=sp.log_arith if interpret else jnp.log)
   pltriton.store(lse_ref.at[pl.ds(row0, block)], lse, mask=ok)
   pltriton.store(mean_ref.at[pl.ds(row0, block)], mean_z, mask=ok)
@@ -249,5 +272,5 @@ def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array, *, interpret: bool,
       out_shape=(out, out, out),
       interpret=interpret,
       name="linear_logp_merge",
-      **_common.triton_compiler_params(4, 2, interpret),
+      **_common.triton_compiler_params(merge_num_warps(t), 2, interpret),
   )(m, s, u)

@@ -74,6 +74,45 @@ def test_gradients_match_float64_reference(dtype, hq, hkv):
   assert not np.any(np.asarray(grads[2][1, 60:], np.float32))
 
 
+@pytest.mark.parametrize("split_rows", [32, 96, 4096])
+def test_dkv_split_over_query_ranges(split_rows):
+  """dK/dV with the (head, query block) walk cut into ranges of ``split_rows`` rows, one
+  program each, float32 partials summed in range order: the float64 reference's gradients
+  (every range count: 4096 = one range, the unsplit store), dq untouched, and the same bits
+  run to run."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  b, t, d, hq, hkv = 2, 70, 16, 4, 2
+  q, k, v = inputs(11, b, t, t, hq, hkv, d, jnp.float32, spread=2)
+  pos = np.stack([np.arange(t), np.r_[np.arange(t - 5), -np.ones(5)]]).astype(np.int32)
+  kvl = np.array([t, 60], np.int32)
+  d_out = jax.random.normal(jax.random.key(12), q.shape)
+  cfg = at.BackwardConfig(dkv_split_rows=split_rows)
+
+  @jax.jit
+  def grads(q, k, v, d_out):
+    out, lse = at.forward(q, k, v, pos, kvl, scale=0.3, interpret=True)
+    return at.backward(q, k, v, pos, kvl, out, lse, d_out, scale=0.3, interpret=True,
+                       config=cfg)
+
+  got = grads(q, k, v, d_out)
+  _, ref = reference(q, k, v, pos, kvl, 0.3, d_out)
+  for name, g, r in zip("qkv", got, ref):
+    assert rel_err(g, r) <= TOL["float32"][1], name
+  assert not np.any(np.asarray(got[1][1, 60:]))  # keys past kv_lengths: zero gradient
+  for name, g, h in zip("qkv", got, grads(q, k, v, d_out)):
+    assert_bitwise_equal(g, h, f"d{name} run to run")
+
+
+@pytest.mark.parametrize("kw", [dict(dkv_split_rows=48), dict(dkv_split_rows=0),
+                                dict(dkv_block_q=24), dict(dq_block_k=8)])
+def test_backward_config_rejects_bad_tiles(kw):
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  with pytest.raises(ValueError, match=next(iter(kw))):
+    at.BackwardConfig(**kw)
+
+
 @pytest.mark.parametrize("impl", ["interpret", "cpu"])
 @pytest.mark.parametrize("dtype,hq,hkv,tq", [
     (jnp.float32, 4, 2, 70), (jnp.bfloat16, 6, 2, 70), (jnp.bfloat16, 7, 1, 1),

@@ -425,3 +425,42 @@ def test_mosaic_packed_statistics_unpack_to_rows(tm, t):
   for q, o in enumerate(outs):
     want = 1000 * np.arange(n_tiles)[:, None] + 10 * rows[None, :] + q
     np.testing.assert_array_equal(np.asarray(o), want.astype(np.float32))
+
+
+def _merge_unroll_bits(interpret: bool):
+  from jaxrl_kernels.pallas import linear_logp_fwd as fwd
+
+  n, t = 37, 70  # 37 tiles: two unrolled chunks of 16 and 5 single steps
+  ks = jax.random.split(jax.random.key(5), 3)
+  m = jax.random.normal(ks[0], (n, t)) * 8
+  s = jnp.abs(jax.random.normal(ks[1], (n, t))) * 2.0 ** jax.random.randint(ks[2], (n, t), -9, 9)
+  s = s.at[3].set(0).at[:, 5].set(0)  # an empty tile and an empty row: skipped exactly
+  u = jax.random.normal(ks[2], (n, t))
+  outs = {}
+  for unroll in (1, 3, 16):
+    fwd.MERGE_UNROLL = unroll
+    try:
+      outs[unroll] = jax.jit(lambda m, s, u: fwd.merge_partials(m, s, u, interpret=interpret)
+                             )(m, s, u)
+    finally:
+      fwd.MERGE_UNROLL = 16
+  for unroll in (3, 16):
+    for name, a, b in zip(("lse", "mean_z", "entropy"), outs[unroll], outs[1]):
+      np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32),
+                                    err_msg=f"{name}, unroll {unroll}")
+  # And the merge is the float64 logsumexp of the partials.
+  m64, s64 = np.asarray(m, np.float64), np.asarray(s, np.float64)
+  lse = np.log(np.sum(s64 * np.exp(m64), axis=0))
+  ok = np.asarray(s).sum(axis=0) > 0
+  np.testing.assert_allclose(np.asarray(outs[16][0])[ok], lse[ok], rtol=1e-6)
+
+
+def test_merge_unroll_keeps_the_bits():
+  """The merge kernel loads MERGE_UNROLL tiles ahead: every unroll is the sequential fold's
+  bits (interpreted here; compiled by Triton in test_merge_unroll_keeps_the_bits_gpu)."""
+  _merge_unroll_bits(interpret=True)
+
+
+@pytest.mark.gpu
+def test_merge_unroll_keeps_the_bits_gpu():
+  _merge_unroll_bits(interpret=False)
