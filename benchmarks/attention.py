@@ -6,7 +6,9 @@
 bf16, Hq = Hkv = 32 (``--hkv`` for grouped-query), D = 128.
 * prefill: causal, T = 4096, B = 1 and 4 (``--quick``: B = 1 only): forward and
   forward+backward (grads w.r.t. q, k, v) device time;
-* decode: Tq = 1 against a full cache of S = 4096 keys, B = 32: forward.
+* decode: Tq = 1 against a full cache of S = 4096 keys, B = 32: forward;
+  ``--decode-sweep``: decode only, B = 64 and 256 against 4k-32k-key caches (use with
+  ``--hkv 8`` for grouped-query decode, as rollouts run it).
 Baselines: ``jax.nn.dot_product_attention`` with ``implementation=None``, ``"xla"``
 and ``"cudnn"`` (is_causal for prefill; decode sees the whole cache). Each
 measurement is guarded: a failing baseline becomes an error row, the run goes on.
@@ -31,6 +33,7 @@ T = 4096
 HQ = 32
 D = 128
 DECODE_B = 32
+DECODE_SWEEP = ((64, 4096), (64, 16384), (64, 32768), (256, 4096), (256, 16384))
 IMPLS = ("jaxrl_mosaic", "jaxrl_triton", "jnp_none", "jnp_xla", "jnp_cudnn")
 
 
@@ -75,7 +78,7 @@ def _table(rows) -> str:
 
   def best(r, key):
     vals = [o[key] for o in rows if not o["impl"].startswith("jaxrl_") and key in o
-            and (o["case"], o["b"]) == (r["case"], r["b"])]
+            and (o["case"], o["b"], o["s"]) == (r["case"], r["b"], r["s"])]
     return min(vals) if vals else None
 
   for r in rows:
@@ -99,11 +102,15 @@ def main():
   p.add_argument("--quick", action="store_true", help="B = 1 prefill only, fewer iterations")
   p.add_argument("--hkv", type=int, default=HQ, help="kv heads (grouped-query when < 32)")
   p.add_argument("--impls", default=",".join(IMPLS))
+  p.add_argument("--decode-sweep", action="store_true",
+                 help=f"decode only, (B, S) in {DECODE_SWEEP}")
   p.add_argument("--out", default=None, help="append the markdown table to this file")
   args = p.parse_args()
   iterations = 5 if args.quick else 20
   cases = [("prefill", 1, T, T)] + ([] if args.quick else [("prefill", 4, T, T)])
   cases.append(("decode", DECODE_B, 1, T))
+  if args.decode_sweep:
+    cases = [("decode", b, 1, s) for b, s in DECODE_SWEEP]
   rows = [_measure(impl, case, b, tq, s, args.hkv, iterations)
           for case, b, tq, s in cases for impl in args.impls.split(",")]
   dev = jax.devices()[0]

@@ -21,9 +21,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from _timing import device_ms
-from jaxrl_kernels.pallas import attention_mosaic, attention_triton as at
+
+from jaxrl_kernels.pallas import attention_mosaic
+from jaxrl_kernels.pallas import attention_triton as at
 
 # (B, T, Hq, Hkv, D): Qwen2.5-0.5B and Llama-3.2-1B training rows; the 32 x 128 MHA bench.
 SHAPES = ((2, 4096, 14, 2, 64), (1, 4096, 32, 8, 64), (1, 4096, 32, 32, 128))
@@ -49,6 +50,70 @@ def fold(q, pos, group):
   return rows.reshape(b, t * group, hq // group, d), jnp.repeat(pos, group, axis=1)
 
 
+def sweep_shape(bsz: int, t: int, hq: int, hkv: int, d: int, *, quick: bool, top: int
+                ) -> list[str]:
+  """The markdown section of one shape: the ``top`` fastest configs and the default."""
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (bsz, t, hq, d), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (bsz, t, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (bsz, t, hkv, d), jnp.bfloat16)
+  dout = jax.random.normal(ks[3], (bsz, t, hq, d), jnp.bfloat16)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bsz, t))
+  kvl = jnp.full((bsz,), t, jnp.int32)
+  scale = d ** -0.5
+  rows, rpos = fold(q, pos, hq // hkv)
+  drows, _ = fold(dout, pos, hq // hkv)
+
+  def forward(q, k, v):
+    return attention_mosaic.forward(q, k, v, rpos, kvl, scale=scale)
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+  def cudnn_loss(q, k, v):
+    return jnp.sum(cudnn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+
+  def backward(cfg):
+    return jax.jit(lambda q, k, v, o, lse, do: at.backward(
+        q, k, v, rpos, kvl, o, lse, do, scale=scale, interpret=False, config=cfg))
+
+  out, lse = jax.jit(forward)(rows, k, v)
+  flops = 4 * bsz * hq * d * t * (t + 1) / 2  # one causal QK^T + PV
+  fwd_ms = device_ms(jax.jit(lambda q, k, v: forward(q, k, v)[0]), rows, k, v)
+  cudnn_fwd = device_ms(jax.jit(cudnn), q, k, v)
+  cudnn_all = device_ms(jax.jit(jax.grad(cudnn_loss, argnums=(0, 1, 2))), q, k, v)
+  found = []
+  ref = None
+  for cfg in configs(quick):
+    f = backward(cfg)
+    try:
+      g = jax.block_until_ready(f(rows, k, v, out, lse, drows))
+      ms = device_ms(f, rows, k, v, out, lse, drows, iterations=5)
+    except Exception as e:  # noqa: BLE001 - a config Triton cannot compile: listed
+      print(f"{cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      continue
+    if ref is None:
+      ref = [np.asarray(x, np.float64) for x in g]
+    err = max(float(np.linalg.norm(np.asarray(x, np.float64) - r) / np.linalg.norm(r))
+              for x, r in zip(g, ref, strict=True))
+    found.append((ms, cfg, err))
+    print(f"{bsz}x{t} {hq}/{hkv}x{d} {ms:8.3f} ms {cfg}", file=sys.stderr, flush=True)
+  found.sort(key=lambda r: r[0])
+  lines = [f"### B = {bsz}, T = {t}, heads {hq}/{hkv}, D = {d} (bf16, causal)", "",
+           f"Forward (Mosaic) {fwd_ms:.3f} ms; cuDNN forward {cudnn_fwd:.3f} ms, forward + "
+           f"backward {cudnn_all:.3f} ms; causal fwd FLOPs {flops / 1e9:.1f} G "
+           f"(backward ~2.5x).", "",
+           "| backward ms | fwd+bwd / cuDNN | dq bq/bk | dkv bq/bk | split rows | warps | "
+           "stages | rel diff vs default |", "|---|---|---|---|---|---|---|---|"]
+  default = [r for r in found if r[1] == at.BackwardConfig()]
+  for ms, c, err in [*found[:top], *default]:
+    mark = " (default)" if c == at.BackwardConfig() else ""
+    lines.append(f"| {ms:.3f}{mark} | {(fwd_ms + ms) / cudnn_all:.2f}x | {c.dq_block_q}/"
+                 f"{c.dq_block_k} | {c.dkv_block_q}/{c.dkv_block_k} | {c.dkv_split_rows} | "
+                 f"{c.num_warps} | {c.num_stages} | {err:.1e} |")
+  return [*lines, ""]
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="4 warps / 2 stages only")
@@ -58,61 +123,8 @@ def main() -> int:
   dev = jax.devices()[0]
   lines = [f"## attention backward tiles ({dev.device_kind}; jax {jax.__version__}; "
            f"{time.strftime('%Y-%m-%d')})", ""]
-  for bsz, t, hq, hkv, d in SHAPES:
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (bsz, t, hq, d), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (bsz, t, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (bsz, t, hkv, d), jnp.bfloat16)
-    dout = jax.random.normal(ks[3], (bsz, t, hq, d), jnp.bfloat16)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bsz, t))
-    kvl = jnp.full((bsz,), t, jnp.int32)
-    scale = d ** -0.5
-    rows, rpos = fold(q, pos, hq // hkv)
-    drows, _ = fold(dout, pos, hq // hkv)
-    out, lse = jax.jit(lambda q, k, v: attention_mosaic.forward(q, k, v, rpos, kvl, scale=scale)
-                       )(rows, k, v)
-    flops = 4 * bsz * hq * d * t * (t + 1) / 2  # one causal QK^T + PV
-    fwd_ms = device_ms(jax.jit(lambda q, k, v: attention_mosaic.forward(
-        q, k, v, rpos, kvl, scale=scale)[0]), rows, k, v)
-
-    def cudnn_loss(q, k, v):
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-      return jnp.sum(o.astype(jnp.float32) * dout.astype(jnp.float32))
-
-    cudnn_fwd = device_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn")), q, k, v)
-    cudnn_all = device_ms(jax.jit(jax.grad(cudnn_loss, argnums=(0, 1, 2))), q, k, v)
-    rows_out = []
-    ref = None
-    for cfg in configs(args.quick):
-      f = jax.jit(lambda q, k, v, o, l, do, cfg=cfg: at.backward(
-          q, k, v, rpos, kvl, o, l, do, scale=scale, interpret=False, config=cfg))
-      try:
-        g = jax.block_until_ready(f(rows, k, v, out, lse, drows))
-        ms = device_ms(f, rows, k, v, out, lse, drows, iterations=5)
-      except Exception as e:  # noqa: BLE001 - a config Triton cannot compile: listed
-        print(f"{cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        continue
-      if ref is None:
-        ref = [np.asarray(x, np.float64) for x in g]
-      err = max(float(np.linalg.norm(np.asarray(x, np.float64) - r) / np.linalg.norm(r))
-                for x, r in zip(g, ref))
-      rows_out.append((ms, cfg, err))
-      print(f"{bsz}x{t} {hq}/{hkv}x{d} {ms:8.3f} ms {cfg}", file=sys.stderr, flush=True)
-    rows_out.sort(key=lambda r: r[0])
-    lines += [f"### B = {bsz}, T = {t}, heads {hq}/{hkv}, D = {d} (bf16, causal)", "",
-              f"Forward (Mosaic) {fwd_ms:.3f} ms; cuDNN forward {cudnn_fwd:.3f} ms, forward + "
-              f"backward {cudnn_all:.3f} ms; causal fwd FLOPs {flops / 1e9:.1f} G "
-              f"(backward ~2.5x).", "",
-              "| backward ms | fwd+bwd / cuDNN | dq bq/bk | dkv bq/bk | split rows | warps | "
-              "stages | rel diff vs default |", "|---|---|---|---|---|---|---|---|"]
-    default = next(r for r in rows_out if r[1] == at.BackwardConfig())
-    for ms, c, err in [*rows_out[:args.top], default]:
-      mark = " (default)" if c == at.BackwardConfig() else ""
-      lines.append(f"| {ms:.3f}{mark} | {(fwd_ms + ms) / cudnn_all:.2f}x | {c.dq_block_q}/"
-                   f"{c.dq_block_k} | {c.dkv_block_q}/{c.dkv_block_k} | {c.dkv_split_rows} | "
-                   f"{c.num_warps} | {c.num_stages} | {err:.1e} |")
-    lines.append("")
+  for shape in SHAPES:
+    lines += sweep_shape(*shape, quick=args.quick, top=args.top)
   text = "\n".join(lines)
   print(text)
   if args.out:
