@@ -201,13 +201,16 @@ def _row_linear(din, dout, axes, *, bias, dtype, param_dtype, chunks, implementa
   return layer
 
 
-def _stock_attention(q, k, v, kv_lengths, *, causal: bool):
+def _stock_attention(q, k, v, kv_lengths, *, causal: bool, q_lengths=None):
   """``jax.nn.dot_product_attention``: cuDNN on a GPU for bf16/fp16 where it takes the
-  shapes (it checks them while tracing), else XLA."""
+  shapes (it checks them while tracing), else XLA. ``q_lengths``: queries at or past it
+  are padding (``query_seq_lengths``)."""
   # An empty document slot (length 0) would softmax over no key: give it one (its rows
   # are never read back).
   kv_lengths = jnp.maximum(kv_lengths.astype(jnp.int32), 1)
   kw = dict(is_causal=causal, key_value_seq_lengths=kv_lengths)
+  if q_lengths is not None:
+    kw["query_seq_lengths"] = jnp.maximum(q_lengths.astype(jnp.int32), 1)
   if _backend.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
     try:
       return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
@@ -255,13 +258,20 @@ class Attention(nnx.Module):
     return (rope(q, positions, inv_freq, guarded=guarded),
             rope(k, positions, inv_freq, guarded=guarded), v)
 
-  def attend(self, q, k, v, *, q_positions=None, kv_lengths=None):
-    """Causal attention of ``q`` on keys from position 0 (see ``causal_attention``)."""
+  def attend(self, q, k, v, *, q_positions=None, kv_lengths=None, docs: Documents | None = None):
+    """Causal attention of ``q`` on keys from position 0 (see ``causal_attention``).
+    ``docs``: ``q, k, v`` are its aligned rows (``Documents.gather``): each row's queries
+    past its document's length are padding and cost nothing."""
+    if docs is not None:
+      kv_lengths = docs.length
     if self.implementation == "xla":
       b, s = k.shape[:2]
       kv_lengths = jnp.full((b,), s, jnp.int32) if kv_lengths is None else kv_lengths
       # Decode: one query at position kv_lengths - 1 sees every key below kv_lengths.
-      return _stock_attention(q, k, v, kv_lengths, causal=q_positions is None)
+      return _stock_attention(q, k, v, kv_lengths, causal=q_positions is None,
+                              q_lengths=None if docs is None else docs.length)
+    if docs is not None:
+      q_positions = docs.query_positions(q.shape[1])
     return causal_attention(q, k, v, q_positions=q_positions, kv_lengths=kv_lengths,
                             scale=self.cfg.head_dim ** -0.5, implementation=self.implementation)
 
@@ -312,7 +322,7 @@ class DecoderLayer(nnx.Module):
       attn = self.self_attn.attend(q, k, v)
     else:
       attn = docs.scatter(self.self_attn.attend(docs.gather(q), docs.gather(k), docs.gather(v),
-                                                kv_lengths=docs.length))
+                                                docs=docs))
     return self._rest(x, attn), k, v
 
   def decode(self, x, cache_k, cache_v, lengths):

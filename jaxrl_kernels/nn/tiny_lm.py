@@ -179,6 +179,15 @@ class Documents(NamedTuple):
     keep = (j < self.length[:, None]).reshape(*cols.shape, *(1,) * (x.ndim - 2))
     return jnp.where(keep, y, jnp.zeros((), x.dtype))
 
+  def query_positions(self, t: int) -> jax.Array:
+    """``[N, T]`` int32 positions of the aligned rows' queries: slot ``j`` of document ``n``
+    is at position ``j``; slots at or past its length are -1, queries that see no key. The
+    attention kernels skip a block of such rows whole, so a short document costs its own
+    length, not the row's; the document's queries keep their bits (a query's bits depend on
+    its position and the keys it sees, never on its block-mates)."""
+    j = jnp.arange(t, dtype=jnp.int32)
+    return jnp.where(j < self.length[:, None], j, -1)
+
   def scatter(self, y: jax.Array) -> jax.Array:
     """``[N, T, ...]`` -> ``[B, T, ...]``: each token reads its document's slot; padding
     tokens get 0, tokens of ``bad`` documents NaN."""
@@ -269,10 +278,12 @@ class Block(nnx.Module):
   def __call__(self, x, positions, docs: Documents | None):
     """Full-sequence forward; returns the new ``x`` and this layer's ``k, v``."""
     q, k, v = self._qkv(x, positions)
+    t = x.shape[1]
     if docs is None:  # every row is one document starting at column 0: already aligned
       attn = self._attend(q, k, v)
     else:
       attn = docs.scatter(self._attend(docs.gather(q), docs.gather(k), docs.gather(v),
+                                       q_positions=docs.query_positions(t),
                                        kv_lengths=docs.length))
     return self._rest(x, attn), k, v
 

@@ -74,8 +74,8 @@ def test_gradients_match_float64_reference(dtype, hq, hkv):
   assert not np.any(np.asarray(grads[2][1, 60:], np.float32))
 
 
-@pytest.mark.parametrize("split_rows", [32, 96, 4096])
-def test_dkv_split_over_query_ranges(split_rows):
+@pytest.mark.parametrize("block_q,split_rows", [(32, 32), (32, 96), (64, 64), (64, 4096)])
+def test_dkv_split_over_query_ranges(block_q, split_rows):
   """dK/dV with the (head, query block) walk cut into ranges of ``split_rows`` rows, one
   program each, float32 partials summed in range order: the float64 reference's gradients
   (every range count: 4096 = one range, the unsplit store), dq untouched, and the same bits
@@ -87,7 +87,7 @@ def test_dkv_split_over_query_ranges(split_rows):
   pos = np.stack([np.arange(t), np.r_[np.arange(t - 5), -np.ones(5)]]).astype(np.int32)
   kvl = np.array([t, 60], np.int32)
   d_out = jax.random.normal(jax.random.key(12), q.shape)
-  cfg = at.BackwardConfig(dkv_split_rows=split_rows)
+  cfg = at.BackwardConfig(dkv_block_q=block_q, dkv_split_rows=split_rows)
 
   @jax.jit
   def grads(q, k, v, d_out):
