@@ -46,7 +46,7 @@ from flax import nnx  # noqa: E402
 from jaxrl_kernels import models  # noqa: E402
 from jaxrl_kernels.models.decoder import DecoderLM  # noqa: E402
 from jaxrl_kernels.nn import logp_from_stats  # noqa: E402
-from jaxrl_kernels.nn.sampler import CACHE_ALIGN, draw, sample, score  # noqa: E402
+from jaxrl_kernels.nn.sampler import cache_length, draw, sample, score  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import breakdown_lines, kernel_breakdown, per_step  # noqa: E402
@@ -129,8 +129,7 @@ def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 
   @jax.jit
   def rollout(state, prompts, lens, n):
     m = nnx.merge(graphdef, state)
-    cache_len = -(-(p + new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
-    h, cache = m.prefill(prompts, lens, m.init_cache(b, cache_len))
+    h, cache = m.prefill(prompts, lens, m.init_cache(b, cache_length(p + new_tokens)))
 
     def body(i, carry):
       h, cache, total = carry

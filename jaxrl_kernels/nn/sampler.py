@@ -120,6 +120,11 @@ def draw(key: jax.Array, logits: jax.Array, *, top_k: int | None = None,
 CACHE_ALIGN = 64  # cache slots per row: a multiple of this (every attention key tile)
 
 
+def cache_length(total: int) -> int:
+  """The sampler's cache slots per row for ``total`` positions (prompt + new tokens)."""
+  return -(-total // CACHE_ALIGN) * CACHE_ALIGN
+
+
 def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
               top_p: float | None):
@@ -130,8 +135,7 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   # The cache rounded up to whole key tiles: a key length the Mosaic attention's TMA does
   # not take would be padded (copied) per layer per step. Slots past a row's length are
   # never read, so the bits are those of any other cache length.
-  cache_len = -(-total // CACHE_ALIGN) * CACHE_ALIGN
-  h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, cache_len))
+  h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, cache_length(total)))
   cols = jnp.arange(total)
   tokens = jnp.where(cols < prompt_lengths[:, None], jnp.pad(prompts, ((0, 0), (0, n))), 0)
   state = (tokens, jnp.zeros((b, total), bool), jnp.zeros((b, total), jnp.float32),
