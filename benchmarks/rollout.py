@@ -53,12 +53,14 @@ from _timing import breakdown_lines, kernel_breakdown, per_step  # noqa: E402
 
 
 def with_implementation(model: DecoderLM, implementation: str | None) -> DecoderLM:
-  """The same parameters (shared arrays, no copy) under another implementation."""
+  """The same parameters (shared arrays, no copy) and row chunks under another
+  implementation."""
   cfg = model.config
   pdt = model.embed_tokens.embedding.get_value().dtype
   abstract = nnx.eval_shape(lambda: DecoderLM(cfg, dtype=model.dtype, param_dtype=pdt,
                                               implementation=implementation,
-                                              remat=model.remat, rngs=nnx.Rngs(0)))
+                                              remat=model.remat, row_chunks=model.row_chunks,
+                                              rngs=nnx.Rngs(0)))
   graphdef, _ = nnx.split(abstract)
   return nnx.merge(graphdef, nnx.state(model))
 

@@ -33,6 +33,19 @@ bf16/fp16), ``jnp.mean`` RMSNorm and materialised logits; not batch-invariant.
 Parameters (``nnx.Param``, plain arrays) carry a ``logical_axes`` metadata
 entry naming each dimension (``"vocab"``, ``"embed"``, ``"q_heads"``,
 ``"kv_heads"``, ``"mlp"``, ``"head_dim"``), for a sharding rule to map onto a mesh.
+
+Sibling projections are stored packed, one product each (as XLA merges them on the
+stock path): ``self_attn.qkv_proj`` holds ``q/k/v_proj`` with its columns grouped per
+KV head, ``[H, Hkv, G + 2, d]`` flattened (a KV head's ``G`` query heads, then its key
+head, then its value head), and ``mlp.gate_up_proj`` holds ``gate/up_proj`` with
+their columns interleaved, ``[H, I, 2]`` flattened. A contiguous slice of either
+column axis is whole GQA groups (whole gate/up pairs), so tensor parallelism splits
+them as it splits heads. ``det_matmul`` reduces each column in one order whatever
+N is and wherever the column sits, so the packed products have the bits of the
+separate ones (``tests/models/test_models.py::test_packed_projections_keep_the_bits``);
+a decode step runs 4 products per layer instead of 7. :mod:`~jaxrl_kernels.models.hf`
+packs ``transformers``' separate tensors on load and splits them on save
+(:func:`pack_qkv`, :func:`pack_gate_up` and their inverses).
 """
 
 from __future__ import annotations
@@ -136,6 +149,35 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *,
   return (a + b).astype(x.dtype)
 
 
+def pack_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> np.ndarray:
+  """``q [..., Hq * d]``, ``k, v [..., Hkv * d]`` (columns of the separate projections,
+  a kernel's last axis or a bias) -> ``[..., Hkv * (G + 2) * d]``, grouped per KV head."""
+  lead = q.shape[:-1]
+  d = k.shape[-1] // num_kv_heads
+  parts = [q.reshape(*lead, num_kv_heads, -1, d), k.reshape(*lead, num_kv_heads, 1, d),
+           v.reshape(*lead, num_kv_heads, 1, d)]
+  return np.concatenate(parts, axis=-2).reshape(*lead, -1)
+
+
+def unpack_qkv(qkv: np.ndarray, num_kv_heads: int, head_dim: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The inverse of :func:`pack_qkv`."""
+  lead = qkv.shape[:-1]
+  y = qkv.reshape(*lead, num_kv_heads, -1, head_dim)
+  return (y[..., :-2, :].reshape(*lead, -1), y[..., -2, :].reshape(*lead, -1),
+          y[..., -1, :].reshape(*lead, -1))
+
+
+def pack_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+  """``gate, up [..., I]`` -> ``[..., 2 I]``, the columns interleaved (gate, up)."""
+  return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def unpack_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The inverse of :func:`pack_gate_up`."""
+  return gate_up[..., 0::2], gate_up[..., 1::2]
+
+
 def _linear(din, dout, axes, *, bias, dtype, param_dtype, implementation, rngs):
   layer = DetLinear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                     kernel_init=nnx.initializers.normal(_INIT_STD),
@@ -220,7 +262,8 @@ def _stock_attention(q, k, v, kv_lengths, *, causal: bool, q_lengths=None):
 
 
 class Attention(nnx.Module):
-  """GQA self-attention: ``q/k/v_proj``, optional ``q_norm``/``k_norm``, rotary, ``o_proj``."""
+  """GQA self-attention: ``qkv_proj`` (packed, see the module docstring), optional
+  ``q_norm``/``k_norm``, rotary, ``o_proj``."""
 
   def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
                rngs):
@@ -228,9 +271,9 @@ class Attention(nnx.Module):
     h = cfg.hidden_size
     self.cfg = cfg
     self.implementation = implementation
-    self.q_proj = _linear(h, cfg.q_dim, ("embed", "q_heads"), bias=cfg.attention_bias, **lin)
-    self.k_proj = _linear(h, cfg.kv_dim, ("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
-    self.v_proj = _linear(h, cfg.kv_dim, ("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
+    # Columns [Hkv, G + 2, d]: split over "kv_heads", a slice is whole GQA groups.
+    self.qkv_proj = _linear(h, cfg.q_dim + 2 * cfg.kv_dim, ("embed", "kv_heads"),
+                            bias=cfg.attention_bias, **lin)
     o_bias = cfg.attention_bias and cfg.model_type == "llama"
     self.o_proj = _row_linear(cfg.q_dim, h, ("q_heads", "embed"), bias=o_bias,
                               chunks=row_chunks, **lin)
@@ -248,9 +291,10 @@ class Attention(nnx.Module):
     its q/k/v kernels hold)."""
     cfg = self.cfg
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, -1, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, -1, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, -1, cfg.head_dim)
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    y = self.qkv_proj(x).reshape(b, t, -1, group + 2, cfg.head_dim)
+    q = y[:, :, :, :group].reshape(b, t, -1, cfg.head_dim)
+    k, v = y[:, :, :, group], y[:, :, :, group + 1]
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = _inv_freq(cfg)
@@ -281,19 +325,22 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))`` (``silu(g) * u`` in float32, one rounding)."""
+  """SwiGLU: ``down(silu(gate(x)) * up(x))`` (``silu(g) * u`` in float32, one rounding);
+  ``gate_up_proj`` holds gate and up packed (columns interleaved, see the module
+  docstring)."""
 
   def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
                rngs):
     lin = dict(bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype,
                implementation=implementation, rngs=rngs)
     h, i = cfg.hidden_size, cfg.intermediate_size
-    self.gate_proj = _linear(h, i, ("embed", "mlp"), **lin)
-    self.up_proj = _linear(h, i, ("embed", "mlp"), **lin)
+    # Columns [I, 2]: split over "mlp", a slice is whole (gate, up) pairs.
+    self.gate_up_proj = _linear(h, 2 * i, ("embed", "mlp"), **lin)
     self.down_proj = _row_linear(i, h, ("mlp", "embed"), chunks=row_chunks, **lin)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    g, u = self.gate_proj(x), self.up_proj(x)
+    y = self.gate_up_proj(x)
+    g, u = y[..., 0::2], y[..., 1::2]
     act = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return self.down_proj(act.astype(g.dtype))
 

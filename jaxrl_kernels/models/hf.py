@@ -10,7 +10,10 @@ the file in memory) and written with numpy. No ``transformers`` dependency.
 
 Tensor names are ``transformers``' (``model.layers.3.self_attn.q_proj.weight``
 ``[out, in]``); the model holds ``DetLinear`` kernels ``[in, out]``, so linear
-weights are transposed on the way in and out.
+weights are transposed on the way in and out, and its packed projections
+(``self_attn.qkv_proj``, ``mlp.gate_up_proj``; see :mod:`~jaxrl_kernels.models.decoder`)
+are packed from ``q/k/v_proj`` and ``gate/up_proj`` on the way in and split on the
+way out.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from flax import nnx
 
 from jaxrl_kernels.contract import ROW_PARALLEL_CHUNKS
 from jaxrl_kernels.models.config import DecoderConfig, config, from_hf_dict
-from jaxrl_kernels.models.decoder import DecoderLM
+from jaxrl_kernels.models.decoder import (
+  DecoderLM,
+  pack_gate_up,
+  pack_qkv,
+  unpack_gate_up,
+  unpack_qkv,
+)
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
               "BF16": jnp.bfloat16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
@@ -126,14 +135,52 @@ def _read_folder_tensors(path: str) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------- names
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-  """``(transformers tensor name, transposed)`` of a model state path, e.g.
-  ``("layers", 0, "self_attn", "q_proj", "kernel")`` ->
-  ``("model.layers.0.self_attn.q_proj.weight", True)``."""
+#: The model's packed projections and the transformers modules they hold, in order.
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
+  """``(transformers tensor names, transposed)`` of a model state path, e.g.
+  ``("layers", 0, "mlp", "down_proj", "kernel")`` ->
+  ``(("model.layers.0.mlp.down_proj.weight",), True)``; a packed projection names its
+  parts, ``("layers", 0, "self_attn", "qkv_proj", "bias")`` ->
+  ``(("model.layers.0.self_attn.q_proj.bias", "...k_proj.bias", "...v_proj.bias"), False)``."""
   *mods, leaf = (str(p) for p in path)
-  prefix = "lm_head" if mods[:1] == ["head"] else "model." + ".".join(mods)
-  return f"{prefix}.weight" if leaf in ("kernel", "embedding") else f"{prefix}.{leaf}", (
-      leaf == "kernel")
+  suffix = "weight" if leaf in ("kernel", "embedding") else leaf
+  transposed = leaf == "kernel"
+  if mods[:1] == ["head"]:
+    return (f"lm_head.{suffix}",), transposed
+  prefix = ".".join(["model", *mods[:-1]])
+  return tuple(f"{prefix}.{m}.{suffix}" for m in PACKED.get(mods[-1], mods[-1:])), transposed
+
+
+def _part_widths(path: tuple, cfg: DecoderConfig, width: int) -> tuple[int, ...]:
+  """The last-axis sizes of the transformers tensors behind a parameter of last axis
+  ``width`` (one tensor unless the parameter is packed)."""
+  module = str(path[-2])
+  if module == "qkv_proj":
+    return cfg.q_dim, cfg.kv_dim, cfg.kv_dim
+  if module == "gate_up_proj":
+    return cfg.intermediate_size, cfg.intermediate_size
+  return (width,)
+
+
+def _pack(path: tuple, parts: list[np.ndarray], cfg: DecoderConfig) -> np.ndarray:
+  module = str(path[-2])
+  if module == "qkv_proj":
+    return pack_qkv(*parts, cfg.num_key_value_heads)
+  if module == "gate_up_proj":
+    return pack_gate_up(*parts)
+  return parts[0]
+
+
+def _unpack(path: tuple, x: np.ndarray, cfg: DecoderConfig) -> tuple[np.ndarray, ...]:
+  module = str(path[-2])
+  if module == "qkv_proj":
+    return unpack_qkv(x, cfg.num_key_value_heads, cfg.head_dim)
+  if module == "gate_up_proj":
+    return unpack_gate_up(x)
+  return (x,)
 
 
 def _abstract(cfg: DecoderConfig, dtype, param_dtype, implementation, remat, row_chunks):
@@ -190,20 +237,24 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   flat = []
   used = set()
   for p, leaf in nnx.to_flat_state(abstract):
-    name, transposed = hf_name(p)
-    want = tuple(leaf.get_value().shape)
-    if name not in tensors:
-      raise ValueError(f"from_pretrained: tensor {name} (shape "
-                       f"{want[::-1] if transposed else want}) is missing from {path}")
-    x = tensors[name]
-    got = tuple(x.shape[::-1] if transposed else x.shape)
-    if got != want:
-      raise ValueError(f"from_pretrained: tensor {name} has shape {tuple(x.shape)}, expected "
-                       f"{want[::-1] if transposed else want}")
-    used.add(name)
-    x = np.asarray(x)
-    x = x.T if transposed else x
-    flat.append((p, leaf.replace(jnp.asarray(x, leaf.get_value().dtype))))
+    names, transposed = hf_names(p)
+    shape = tuple(leaf.get_value().shape)
+    parts = []
+    for name, width in zip(names, _part_widths(p, cfg, shape[-1]), strict=True):
+      want = (*shape[:-1], width)
+      if name not in tensors:
+        raise ValueError(f"from_pretrained: tensor {name} (shape "
+                         f"{want[::-1] if transposed else want}) is missing from {path}")
+      x = tensors[name]
+      got = tuple(x.shape[::-1] if transposed else x.shape)
+      if got != want:
+        raise ValueError(f"from_pretrained: tensor {name} has shape {tuple(x.shape)}, "
+                         f"expected {want[::-1] if transposed else want}")
+      used.add(name)
+      x = np.asarray(x)
+      parts.append(x.T if transposed else x)
+    value = _pack(p, parts, cfg)
+    flat.append((p, leaf.replace(jnp.asarray(value, leaf.get_value().dtype))))
   unexpected = sorted(n for n in set(tensors) - used
                       if not n.endswith(_IGNORED_SUFFIXES)
                       and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
@@ -231,9 +282,10 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
   os.makedirs(path, exist_ok=True)
   arrays: dict[str, np.ndarray] = {}
   for p, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transposed = hf_name(p)
-    x = np.asarray(jax.device_get(leaf.get_value()))
-    arrays[name] = np.ascontiguousarray(x.T if transposed else x)
+    names, transposed = hf_names(p)
+    parts = _unpack(p, np.asarray(jax.device_get(leaf.get_value())), model.config)
+    for name, x in zip(names, parts, strict=True):
+      arrays[name] = np.ascontiguousarray(x.T if transposed else x)
   cfg = model.config.to_hf_dict()
   pdt = arrays["model.embed_tokens.weight"].dtype.name
   cfg["torch_dtype"] = pdt

@@ -5,7 +5,8 @@ The model runs under ``shard_map`` with explicit collectives, and every per-toke
 (hidden states, log-probs, the sampler's logits and statistics) is bitwise the unsharded
 :class:`~jaxrl_kernels.models.DecoderLM`'s, for every (tp, fsdp, dp) layout:
 
-* **tp** (tensor parallel, for rollout). ``q/k/v_proj``, ``gate_proj``, ``up_proj`` are
+* **tp** (tensor parallel, for rollout). ``qkv_proj`` and ``gate_up_proj`` (packed per KV
+  head and per MLP column pair, see ``models.decoder``) are
   column-parallel: each device holds its heads' (its MLP columns') weights, and a column's
   bits do not depend on how many columns sit beside it. Key/value heads are split whole
   (tp divides ``num_key_value_heads``), so each GQA group and its query heads live on one

@@ -413,6 +413,48 @@ def test_tree_sum_order_is_shape_free():
   assert_bitwise_equal(full[3], a[0], "hand-written tree")
 
 
+# (K, q/k/v widths, kv heads): a toy shape, and Qwen2.5-0.5B's (K = 896, 14/2 heads x 64).
+_TOY, _QWEN_05B = (96, (64, 32, 32), 2), (896, (896, 128, 128), 2)
+
+
+@pytest.mark.parametrize("implementation, shape", [
+    ("cpu", _TOY), ("interpret", _TOY),
+    pytest.param("triton", _QWEN_05B, marks=pytest.mark.gpu),
+    pytest.param("mosaic", _QWEN_05B, marks=pytest.mark.hopper)])
+def test_packed_projections_keep_the_bits(implementation, shape):
+  """The packed q/k/v and gate/up products (one det_matmul each, biases added after, as
+  DetLinear does) give every column the bits of the separate projections' products, at
+  1 row and at 15 rows; pack/unpack are exact inverses."""
+  from jaxrl_kernels.gemm import det_matmul
+  from jaxrl_kernels.models.decoder import pack_gate_up, pack_qkv, unpack_gate_up, unpack_qkv
+  k, (nq, nk, nv), hkv = shape
+  rng = np.random.default_rng(3)
+
+  def w(*s):
+    return (rng.standard_normal(s) * 0.5).astype(jnp.bfloat16)
+
+  def lin(x, kernel, bias):
+    return np.asarray(jax.jit(lambda a, b, c: det_matmul(a, b, implementation=implementation)
+                              + c)(x, kernel, bias))
+
+  x = jnp.asarray(rng.standard_normal((5, 3, k)), jnp.bfloat16)
+  qkv = [(w(k, n), w(n)) for n in (nq, nk, nv)]
+  gate_up = [(w(k, 2 * nq), w(2 * nq)) for _ in range(2)]
+  packed_qkv = (pack_qkv(*(a for a, _ in qkv), hkv), pack_qkv(*(b for _, b in qkv), hkv))
+  packed_gu = (pack_gate_up(*(a for a, _ in gate_up)), pack_gate_up(*(b for _, b in gate_up)))
+  for got, want in ((unpack_qkv(packed_qkv[0], hkv, nk // hkv), [a for a, _ in qkv]),
+                    (unpack_gate_up(packed_gu[0]), [a for a, _ in gate_up])):
+    for g, e in zip(got, want, strict=True):
+      assert_bitwise_equal(g, e, "unpack(pack)")
+  for rows in (x[:1, :1], x):
+    parts = unpack_qkv(lin(rows, *packed_qkv), hkv, nk // hkv)
+    for name, part, (kernel, bias) in zip("qkv", parts, qkv, strict=True):
+      assert_bitwise_equal(part, lin(rows, kernel, bias), f"{name} of {rows.shape[:2]}")
+    parts = unpack_gate_up(lin(rows, *packed_gu))
+    for name, part, (kernel, bias) in zip(("gate", "up"), parts, gate_up, strict=True):
+      assert_bitwise_equal(part, lin(rows, kernel, bias), f"{name} of {rows.shape[:2]}")
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
   cfg = _hf_config("llama")

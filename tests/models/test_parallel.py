@@ -286,7 +286,7 @@ def test_placement_and_model_untouched(f32):
   spec = {p: tuple(v.get_value().sharding.spec) for p, v in state.items()}
   assert spec[("embed_tokens", "embedding")] == ("tp", "fsdp")
   assert state[("embed_tokens", "embedding")].get_value().shape == (1024, 64)
-  assert spec[("layers", 0, "self_attn", "q_proj", "kernel")] == ("fsdp", "tp")
+  assert spec[("layers", 0, "self_attn", "qkv_proj", "kernel")] == ("fsdp", "tp")
   assert spec[("layers", 0, "self_attn", "o_proj", "kernel")] == ("tp", "fsdp")
   assert spec[("layers", 0, "mlp", "down_proj", "bias")] == ("fsdp",)
   assert spec[("layers", 0, "self_attn", "k_norm", "weight")] == ("fsdp",)
