@@ -34,6 +34,7 @@ from jax import lax
 
 from jaxrl_kernels import _validation, contract
 from jaxrl_kernels.gemm.api import matmul2d, resolve_implementation
+from jaxrl_kernels.pallas import gemm_mosaic
 
 _OP = "row_parallel_matmul"
 MERGES = ("canonical", "psum")
@@ -42,7 +43,9 @@ MERGES = ("canonical", "psum")
 # each chunk as exactly the computation of one call on that chunk, so the C chunk products
 # cost one launch: the Pallas GEMM of "triton"/"interpret" gains a grid axis (the same
 # program per chunk) and the CUTLASS FFI call is vmapped sequentially. Mosaic's kernel
-# (a Pallas mesh kernel) has no batching rule; XLA's CPU dot may pick another blocking for a
+# (a Pallas mesh kernel) has no batching rule: its forward chunks run as one grouped launch
+# (``gemm_mosaic.grouped_matmul``, each chunk's tiles reading that chunk's weight), its
+# backward products one call per chunk. XLA's CPU dot may pick another blocking for a
 # batched dot: those run one call per chunk, as does the "xla" baseline.
 _STACKED = frozenset({"triton", "interpret", "cuda"})
 
@@ -95,6 +98,10 @@ def _chunk_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transpos
   if st.implementation in _STACKED:
     return list(jax.vmap(fn, in_axes=(0 if lhs_stacked else None,
                                       0 if rhs_stacked else None))(lhs, rhs))
+  if (st.implementation == "mosaic" and lhs_stacked and rhs_stacked and not lhs_transposed
+      and not rhs_transposed and st.local_chunks > 1):
+    # A decode step's chunk products are a few microseconds each: one launch for all.
+    return list(gemm_mosaic.grouped_matmul(lhs, rhs, out_dtype=out_dtype))
   return [fn(lhs[c] if lhs_stacked else lhs, rhs[c] if rhs_stacked else rhs)
           for c in range(st.local_chunks)]
 

@@ -92,7 +92,7 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
 
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
             rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
-            n_col_ops: int = 0, epilogue=None):
+            n_col_ops: int = 0, epilogue=None, group_rows: int | None = None):
   # refs: [row operands], [column operands], then (out,); (c, out) when
   # accumulating into ``c`` (``out = c + a @ b``); (c,) with ``in_place``:
   # ``c += a @ b`` through a mutable ref.
@@ -152,7 +152,39 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
               *((c, mosaic_loop.COL) for c in col_ops))
   mosaic_loop.persistent_matmul(
       a_gmem, b_gmem, m=m, n=n, k=k, cfg=cfg.loop, lhs_transposed=lhs_transposed,
-      rhs_transposed=rhs_transposed, epilogue=store, operands=operands, scratch=scratch)
+      rhs_transposed=rhs_transposed, epilogue=store, operands=operands, scratch=scratch,
+      group_rows=group_rows)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
+  """``lhs [G, M, K] @ rhs [G, K, N] -> [G, M, N]`` in one launch (``G`` independent
+  products, e.g. the K chunks of ``row_parallel_matmul``).
+
+  Each product's rows are zero-padded to whole CTA tiles and stacked, ``[G Mp, K]``; the
+  kernel walks the stacked rows as one ``[G Mp, N]`` output and points each CTA tile at
+  its own weight (``mosaic_loop.persistent_matmul``'s ``group_rows``). A tile runs the
+  instructions of ``matmul(lhs[g], rhs[g])``'s tiles: every element has its bits (every
+  config gives the same bits; zero rows change no other row). ``K`` must be a multiple of
+  ``TILE_K`` and ``N`` one the kernel takes (:func:`supported_shape`).
+  """
+  g, m, k = lhs.shape
+  n = rhs.shape[2]
+  if rhs.shape != (g, k, n):
+    raise ValueError(f"grouped_matmul: rhs must be [G, K, N] = {(g, k, n)}, got {rhs.shape}")
+  cfg = default_config(g * m, n, k)
+  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
+  m_pad = round_up(m, cfg.cta_tile_m)
+  why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)
+  if why is not None:
+    raise ValueError(f"det_matmul(mosaic): unsupported grouped shape: {why}")
+  if m_pad != m:
+    lhs = jnp.pad(lhs, ((0, 0), (0, m_pad - m), (0, 0)))
+  kernel = functools.partial(_kernel, m=g * m_pad, n=n, k=k, cfg=cfg, lhs_transposed=False,
+                             rhs_transposed=False, group_rows=m_pad)
+  f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((g * m_pad, n), out_dtype),
+                         cfg=cfg.loop)
+  out = f(lhs.reshape(g * m_pad, k), rhs.reshape(g * k, n)).reshape(g, m_pad, n)
+  return out[:, :m] if m_pad != m else out
 
 
 def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int) -> MosaicConfig:

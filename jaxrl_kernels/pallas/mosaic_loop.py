@@ -151,7 +151,7 @@ def _transpose(ref):
 def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig,
                       lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
                       operands: Sequence[tuple[Any, str]] = (),
-                      scratch: dict | None = None) -> None:
+                      scratch: dict | None = None, group_rows: int | None = None) -> None:
   """The body of a persistent GEMM kernel, up to the epilogue.
 
   For every CTA tile of ``op(A) @ op(B)`` (``op(A)`` ``[M, K]``: ``a_gmem`` is
@@ -177,10 +177,22 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   rewrites a staging buffer; the loop waits for every store before the kernel
   returns. ``m``, ``n``, ``k``: the extents TMA walks (rows, columns and
   reduction; loads past an edge read zeros, stores past one are clipped).
+
+  ``group_rows`` (a multiple of the CTA tile's rows; plain ``A [M, K]`` and ``B`` only):
+  a grouped product. ``b_gmem`` is ``[G K, N]``, ``G`` weights stacked, and the rows
+  ``[g group_rows, (g + 1) group_rows)`` of ``A`` are multiplied by weight ``g`` (rows
+  ``[g K, (g + 1) K)`` of ``b_gmem``); ``k`` must be a multiple of ``TILE_K``, so no K
+  tile reaches into the next weight. Each tile runs the instructions of the ungrouped
+  product of its rows with its weight: the same bits.
   """
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
   m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, TILE_K)
+  if group_rows is not None and (lhs_transposed or rhs_transposed or group_rows % cta_m
+                                 or k % TILE_K):
+    raise ValueError(f"persistent_matmul: a grouped product needs plain operands, "
+                     f"group_rows ({group_rows}) a multiple of the CTA tile's {cta_m} rows "
+                     f"and K ({k}) a multiple of {TILE_K}")
   for _, kind in operands:
     if kind not in (ROW, COL, WHOLE):
       raise ValueError(f"persistent_matmul: operand kind must be one of {(ROW, COL, WHOLE)}, "
@@ -284,7 +296,12 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
         return acc_ref
 
       a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
-      b_view = b_gmem.at[cta_n_slice, :] if rhs_transposed else b_gmem.at[:, cta_n_slice]
+      if group_rows is not None:  # this CTA tile's weight of the stacked ones
+        b_view = b_gmem.at[pl.ds((mi * cta_m) // group_rows * k, k), cta_n_slice]
+      elif rhs_transposed:
+        b_view = b_gmem.at[cta_n_slice, :]
+      else:
+        b_view = b_gmem.at[:, cta_n_slice]
       make_pipeline(mma, compute_context)(a_view, b_view, allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
