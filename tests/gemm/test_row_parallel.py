@@ -250,9 +250,9 @@ _GPU_CASES = [(impl, k, n) for impl in _gpu_impls()
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,k,n", _GPU_CASES)
 def test_gpu_kernels_follow_the_contract(impl, k, n):
-  """Each GPU implementation (one launch per chunk, or one vmapped launch for Triton and
-  CUTLASS) gives each chunk the bits of det_matmul on that chunk alone: the forward, dx,
-  and rows at M = 1, 64, 1000."""
+  """Each GPU implementation (one vmapped launch for Triton and CUTLASS, one grouped launch
+  for the Mosaic forward, one launch per chunk for the Mosaic backward) gives each chunk
+  the bits of det_matmul on that chunk alone: the forward, dx, and rows at M = 1, 64, 1000."""
   x, w, b = _inputs("bfloat16", m=1000, k=k, n=n)
   full = np.asarray(_op(x, w, b, implementation=impl))
   assert_bitwise_equal(full, _canonical_by_definition(x, w, b, implementation=impl), f"{impl}")
