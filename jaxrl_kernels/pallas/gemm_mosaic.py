@@ -173,7 +173,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
     raise ValueError(f"grouped_matmul: rhs must be [G, K, N] = {(g, k, n)}, got {rhs.shape}")
   cfg = default_config(g * m, n, k)
   cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
-  m_pad = round_up(m, cfg.cta_tile_m)
+  m_pad = max(cfg.cta_tile_m, round_up(m, cfg.cta_tile_m))  # whole CTA tiles, M = 0 too
   why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)
   if why is not None:
     raise ValueError(f"det_matmul(mosaic): unsupported grouped shape: {why}")
