@@ -1,0 +1,118 @@
+"""The sampler's LM-head decode step against XLA's logits + log-softmax, at decode row counts.
+
+One sampler step of the head: float32 logits of ``T`` hidden rows (``T`` = the rollout batch)
+and each row's log-prob of a drawn token.
+
+* ``jaxrl_kernels``: ``head_logits(h, W, return_stats=True)`` (the logits with in-kernel row
+  statistics, the fused op's own kernel) then ``logp_from_stats``: log-probs bitwise the
+  trainer's ``linear_logp`` (checked here, column "logp == trainer");
+* ``stock``: ``jnp.dot(h, W, preferred_element_type=float32)``, ``jax.nn.log_softmax``,
+  the target's entry.
+
+Timing is pipelined: ``--calls`` calls enqueued back to back (rotating over enough copies of
+``h`` that each call reads its rows afresh), one block at the end; the ratio is stock time /
+ours (>= 0.95 is the target). The floor is the weight read plus the logits write at
+``--hbm`` TB/s (the FLOPs, ``2 T H V``, are far below the tensor cores' rate at these T).
+
+    python benchmarks/head_decode.py --out benchmarks/results/head_decode_h100.md
+    python benchmarks/head_decode.py --rows 1,8 --hidden 64 --vocab 1000 --calls 3   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels.linear_logp import linear_logp
+from jaxrl_kernels.nn import head_logits, logp_from_stats
+
+
+def _ours(implementation):
+  def step(h, w, tok):
+    logits, stats = head_logits(h, w, return_stats=True, implementation=implementation)
+    return logits, logp_from_stats(logits, stats, tok)
+  return jax.jit(step)
+
+
+def _stock(h, w, tok):
+  logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+  lp = jax.nn.log_softmax(logits, axis=-1)
+  return logits, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+def pipelined_ms(f, hs, w, tok, calls: int) -> float:
+  """Milliseconds per call of ``calls`` calls enqueued back to back, one block at the end."""
+  jax.block_until_ready(f(hs[0], w, tok))
+  t0 = time.perf_counter()
+  out = [f(hs[i % len(hs)], w, tok) for i in range(calls)]
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation) -> dict:
+  """One shape: both paths' time per call and the bitwise check against the trainer."""
+  k = jax.random.split(jax.random.key(t), 3)
+  w = (jax.random.normal(k[0], (hidden, vocab), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  hs = [jax.random.normal(jax.random.fold_in(k[1], i), (t, hidden), jnp.bfloat16)
+        for i in range(4)]
+  tok = jax.random.randint(k[2], (t,), 0, vocab)
+  ours = _ours(implementation)
+  stock = jax.jit(_stock)
+  row = {"t": t, "h": hidden, "v": vocab,
+         "ours_ms": pipelined_ms(ours, hs, w, tok, calls),
+         "stock_ms": pipelined_ms(stock, hs, w, tok, calls)}
+  trainer = jax.jit(lambda h, w, tok: linear_logp(h, w, tok, implementation=implementation))
+  lp = np.asarray(ours(hs[0], w, tok)[1])
+  row["bitwise"] = bool(np.array_equal(lp.view(np.uint32),
+                                       np.asarray(trainer(hs[0], w, tok)).view(np.uint32)))
+  return row
+
+
+def table(rows: list[dict], hbm_tbs: float) -> list[str]:
+  lines = ["| T | H | V | jaxrl_kernels (ms) | stock (ms) | stock / ours | floor (ms) | "
+           "logp == trainer |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    floor_bytes = r["h"] * r["v"] * 2 + r["t"] * r["v"] * 4
+    floor = floor_bytes / (hbm_tbs * 1e12) * 1e3
+    lines.append(f"| {r['t']} | {r['h']} | {r['v']} | {r['ours_ms']:.3f} | "
+                 f"{r['stock_ms']:.3f} | {r['stock_ms'] / r['ours_ms']:.2f}x | {floor:.3f} | "
+                 f"{'yes' if r['bitwise'] else '**no**'} |")
+  return lines
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rows", default="1,8,64,256", help="comma-separated T")
+  ap.add_argument("--hidden", default="896,4096", help="comma-separated H")
+  ap.add_argument("--vocab", type=int, default=151936)
+  ap.add_argument("--calls", type=int, default=50, help="calls enqueued per timing")
+  ap.add_argument("--implementation", default=None,
+                  help="linear_logp implementation of our path (default: by device)")
+  ap.add_argument("--hbm", type=float, default=3.0, help="HBM TB/s of the floor column")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+  rows = []
+  for hidden in (int(x) for x in args.hidden.split(",")):
+    for t in (int(x) for x in args.rows.split(",")):
+      rows.append(measure(t, hidden, args.vocab, calls=args.calls,
+                          implementation=args.implementation))
+      print(rows[-1], flush=True)
+  dev = jax.devices()[0]
+  lines = [f"# LM-head decode step: {getattr(dev, 'device_kind', dev.platform)}", "",
+           f"jax {jax.__version__}; {datetime.date.today()}; bf16 hidden and weight, float32 "
+           f"logits; {args.calls} calls pipelined per timing; floor = weight read + logits "
+           f"write at {args.hbm} TB/s.", "", *table(rows, args.hbm)]
+  text = "\n".join(lines) + "\n"
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+
+
+if __name__ == "__main__":
+  main()
