@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import _validation, contract
+from jaxrl_kernels import _backend, _validation, contract
 from jaxrl_kernels.gemm.api import matmul2d, resolve_implementation
 from jaxrl_kernels.pallas import gemm_mosaic
 
@@ -87,6 +87,13 @@ def pairwise_tree(parts) -> jax.Array:
   return parts[0]
 
 
+# One jitted function per shape, however many layers call it (_backend.kernel_jit): each
+# call site would otherwise lower and compile its own Mosaic kernel.
+@_backend.kernel_jit(static_argnames=("out_dtype",))
+def _grouped_mosaic(lhs, rhs, *, out_dtype):
+  return gemm_mosaic.grouped_matmul(lhs, rhs, out_dtype=out_dtype)
+
+
 def _chunk_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transposed: bool,
                     out_dtype, lhs_stacked: bool, rhs_stacked: bool) -> list[jax.Array]:
   """Product ``c`` of chunk ``c`` of the stacked (``[L, ...]``) operand(s), for each of the
@@ -101,7 +108,7 @@ def _chunk_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transpos
   if (st.implementation == "mosaic" and lhs_stacked and rhs_stacked and not lhs_transposed
       and not rhs_transposed and st.local_chunks > 1):
     # A decode step's chunk products are a few microseconds each: one launch for all.
-    return list(gemm_mosaic.grouped_matmul(lhs, rhs, out_dtype=out_dtype))
+    return list(_grouped_mosaic(lhs, rhs, out_dtype=jnp.dtype(out_dtype)))
   return [fn(lhs[c] if lhs_stacked else lhs, rhs[c] if rhs_stacked else rhs)
           for c in range(st.local_chunks)]
 
