@@ -99,18 +99,27 @@ def _chunk_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transpos
   """Product ``c`` of chunk ``c`` of the stacked (``[L, ...]``) operand(s), for each of the
   L local chunks: each bitwise ``matmul2d`` on that chunk alone (one launch where the
   backend batches, else L calls)."""
+  return list(_stacked_products(st, lhs, rhs, lhs_transposed=lhs_transposed,
+                                rhs_transposed=rhs_transposed, out_dtype=out_dtype,
+                                lhs_stacked=lhs_stacked, rhs_stacked=rhs_stacked))
+
+
+def _stacked_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transposed: bool,
+                      out_dtype, lhs_stacked: bool, rhs_stacked: bool) -> jax.Array:
+  """:func:`_chunk_products` as one ``[L, ...]`` array (the batched launches' own output,
+  no copy)."""
   fn = functools.partial(matmul2d, lhs_transposed=lhs_transposed,
                          rhs_transposed=rhs_transposed, out_dtype=out_dtype,
                          implementation=st.implementation)
   if st.implementation in _STACKED:
-    return list(jax.vmap(fn, in_axes=(0 if lhs_stacked else None,
-                                      0 if rhs_stacked else None))(lhs, rhs))
+    return jax.vmap(fn, in_axes=(0 if lhs_stacked else None,
+                                 0 if rhs_stacked else None))(lhs, rhs)
   if (st.implementation == "mosaic" and lhs_stacked and rhs_stacked and not lhs_transposed
       and not rhs_transposed and st.local_chunks > 1):
     # A decode step's chunk products are a few microseconds each: one launch for all.
-    return list(_grouped_mosaic(lhs, rhs, out_dtype=jnp.dtype(out_dtype)))
-  return [fn(lhs[c] if lhs_stacked else lhs, rhs[c] if rhs_stacked else rhs)
-          for c in range(st.local_chunks)]
+    return _grouped_mosaic(lhs, rhs, out_dtype=jnp.dtype(out_dtype))
+  return jnp.stack([fn(lhs[c] if lhs_stacked else lhs, rhs[c] if rhs_stacked else rhs)
+                    for c in range(st.local_chunks)])
 
 
 def _split_k(x2, n: int) -> jax.Array:
@@ -320,3 +329,74 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, bias: jax.Array | None = Non
   lead = x.shape[:-1]
   x2 = x.reshape(math.prod(lead), k_loc)
   return _row_parallel(st, x2, w, bias).reshape(*lead, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _partials(st: _Static, x2, w):
+  n = w.shape[1]
+  k_chunk = x2.shape[1] // st.local_chunks
+  return _stacked_products(st, _split_k(x2, st.local_chunks),
+                           w.reshape(st.local_chunks, k_chunk, n), lhs_transposed=False,
+                           rhs_transposed=False, out_dtype=jnp.float32, lhs_stacked=True,
+                           rhs_stacked=True)
+
+
+def _partials_fwd(st: _Static, x2, w):
+  return _partials(st, x2, w), (x2, w)
+
+
+def _partials_bwd(st: _Static, res, g):
+  x2, w = res
+  c = st.local_chunks
+  w3 = w.reshape(c, w.shape[0] // c, w.shape[1])
+  g = g.astype(x2.dtype)
+  # dx_c = dP_c @ w_c^T and dw_c = x_c^T @ dP_c, one fixed-shape product per chunk.
+  dx = _chunk_products(st, g, w3, lhs_transposed=False, rhs_transposed=True,
+                       out_dtype=x2.dtype, lhs_stacked=True, rhs_stacked=True)
+  dw = _chunk_products(st, _split_k(x2, c), g, lhs_transposed=True, rhs_transposed=False,
+                       out_dtype=w.dtype, lhs_stacked=True, rhs_stacked=True)
+  return jnp.concatenate(dx, axis=1), jnp.concatenate(dw, axis=0)
+
+
+_partials.defvjp(_partials_fwd, _partials_bwd)
+
+
+def row_parallel_partials(x: jax.Array, w: jax.Array, *,
+                          chunks: int = contract.ROW_PARALLEL_CHUNKS,
+                          implementation: str | None = None) -> jax.Array:
+  """The ``C`` float32 chunk partials of :func:`row_parallel_matmul` (unsharded), stacked.
+
+  ``out[c] = det_matmul(x[..., c K/C:(c+1) K/C], w[c K/C:(c+1) K/C], out_dtype=float32)``:
+  the very products ``row_parallel_matmul(x, w, chunks=C)`` sums, before its tree, bias and
+  rounding, for a consumer that finishes them itself (``nn.add_rms_norm``: the residual add
+  and the next RMSNorm in one pass).
+
+  Args:
+    x: ``[..., K]`` bfloat16, float16 or float32.
+    w: ``[K, N]``, x's dtype.
+    chunks: ``C``, a power of two dividing ``K``.
+    implementation: the ``det_matmul`` implementation of every chunk product.
+
+  Returns:
+    ``[C, ..., N]`` float32. Gradients: per chunk ``dx_c = dP_c w_c^T``, ``dw_c = x_c^T dP_c``.
+  """
+  op = "row_parallel_partials"
+  x = jnp.asarray(x)
+  w = jnp.asarray(w)
+  _validation.check_float_array(op, "x", x)
+  _validation.check_float_array(op, "w", w)
+  chunks = _validation.check_int(op, "chunks", chunks, minimum=1)
+  if chunks & (chunks - 1):
+    raise ValueError(f"{op}: chunks must be a power of two, got {chunks}")
+  if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"{op}: need x [..., K] and w [K, N], got {x.shape} and {w.shape}")
+  if x.dtype != w.dtype:
+    raise TypeError(f"{op}: x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  k, n = w.shape
+  if k % chunks:
+    raise ValueError(f"{op}: K={k} must be a multiple of chunks={chunks}")
+  impl = resolve_implementation(implementation, x.dtype, n, k // chunks)
+  st = _Static(axis_name=None, tp=1, local_chunks=chunks, merge="canonical",
+               implementation=impl, out_dtype=jnp.dtype(jnp.float32))
+  lead = x.shape[:-1]
+  return _partials(st, x.reshape(math.prod(lead), k), w).reshape(chunks, *lead, n)

@@ -19,9 +19,11 @@ the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCa
   contiguous K chunks, each a float32 ``det_matmul``, summed by a fixed pairwise
   tree. A model sharded over TP = 1, 2, 4, 8 (:func:`jaxrl_kernels.models.shard`)
   reduces in the same order, so its bits are these;
-* RMSNorm's sum of squares is a written-out pairwise tree over the feature axis
-  (:func:`tree_sum`: ``log2 H`` elementwise adds, the same order for every
-  shape), rotary is elementwise from the integer position;
+* RMSNorm (:func:`jaxrl_kernels.nn.rms_norm`, one kernel on a GPU) sums the squares by a
+  fixed pairwise tree over the feature axis (``log2 H`` halvings, the same order for
+  every shape); a decode step finishes each row-parallel layer's residual add in the
+  norm after it (``nn.add_rms_norm``, the same bits); rotary is elementwise from the
+  integer position;
 * attention is ``causal_attention`` on documents left-aligned at key 0
   (``nn.tiny_lm.documents``), and decode writes each token's ``k, v`` at
   index = position: fixed key tiles from key 0 give decode == prefill.
@@ -62,40 +64,26 @@ from jax import lax
 from jaxrl_kernels import _backend, contract
 from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.attention import causal_attention
-from jaxrl_kernels.gemm import det_matmul, row_parallel_matmul
+from jaxrl_kernels.gemm import det_matmul, row_parallel_matmul, row_parallel_partials
 from jaxrl_kernels.models.config import DecoderConfig
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
+from jaxrl_kernels.nn.norm import add_rms_norm, rms_norm
 from jaxrl_kernels.nn.tiny_lm import Documents, KVCache, check_prefill, documents
 
 _INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def tree_sum(x: jax.Array) -> jax.Array:
-  """Sum over the last axis as a pairwise tree of elementwise adds (zero-padded to a power
-  of two). XLA picks a reduction's summation order from the whole shape (batch and
-  sequence length included); elementwise adds of fixed slices keep one order for every
-  shape, so a row's sum is the same bits wherever the row is."""
-  n = x.shape[-1]
-  width = 1 << max(0, (n - 1).bit_length())
-  if width != n:
-    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
-  while x.shape[-1] > 1:
-    half = x.shape[-1] // 2
-    x = x[..., :half] + x[..., half:]
-  return x[..., 0]
-
-
 class RMSNorm(nnx.Module):
   """RMSNorm: ``(weight * x32 * rsqrt(mean(x32^2) + eps)).astype(dtype)``, in float32.
 
-  The mean of squares is :func:`tree_sum` ``/ n`` (``jnp.mean`` on the stock
-  path). ``transformers`` rounds the normalised ``x`` to the activation dtype
-  before the weight multiply; here there is one rounding, at the end: XLA may
-  drop an intermediate rounding in one fusion and keep it in another
-  (``xla_allow_excess_precision``), which would make decode and prefill differ
-  in bf16. In float32 the two are the same. ``x [..., n]`` -> the same shape and dtype.
+  :func:`jaxrl_kernels.nn.rms_norm` (the mean of squares is :func:`tree_sum` ``/ n``,
+  ``jnp.mean`` on the stock path; one kernel on a GPU). ``transformers`` rounds the
+  normalised ``x`` to the activation dtype before the weight multiply; here there is one
+  rounding, at the end: XLA may drop an intermediate rounding in one fusion and keep it in
+  another (``xla_allow_excess_precision``), which would make decode and prefill differ in
+  bf16. In float32 the two are the same. ``x [..., n]`` -> the same shape and dtype.
   """
 
   def __init__(self, dim: int, *, eps: float, param_dtype, implementation: str | None,
@@ -106,18 +94,14 @@ class RMSNorm(nnx.Module):
     self.weight.set_metadata(logical_axes=(axis_name,))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    if self.implementation == "xla":
-      ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    else:
-      # Guards (see jaxrl_kernels/_cpu.py): no square meets the add of the tree, and the
-      # mean (``/ n`` may become ``* (1 / n)``) does not meet ``+ eps``, in any fusion: XLA's
-      # CPU compiler would otherwise contract them into FMAs in one program (the decode
-      # step) and not in another (the trainer's forward).
-      zero = opaque_zero(x32)
-      ms = guard(tree_sum(guard(x32 * x32, zero)) / jnp.float32(x.shape[-1]), zero)[..., None]
-    y = x32 * lax.rsqrt(ms + jnp.float32(self.eps))
-    return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
+    return rms_norm(x, self.weight[...], eps=self.eps, implementation=self.implementation)
+
+  def add(self, x: jax.Array, partials: jax.Array, bias: jax.Array | None
+          ) -> tuple[jax.Array, jax.Array]:
+    """``(x', norm(x'))`` with ``x' = x + round(tree(partials) + bias)``: bitwise
+    ``x + row_linear(...)`` and this norm of it, in one pass (:func:`nn.add_rms_norm`)."""
+    return add_rms_norm(x, partials, self.weight[...], eps=self.eps, bias=bias,
+                        implementation=self.implementation)
 
 
 @functools.cache
@@ -233,6 +217,19 @@ class RowParallelLinear(nnx.Module):
     return row_parallel_matmul(x, kernel, bias, axis_name=self.axis_name, chunks=self.chunks,
                                merge=self.merge, implementation=self.implementation)
 
+  def partials(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None] | None:
+    """``(P, bias)``: the float32 chunk partials ``P [chunks, ..., out]`` of this layer's
+    product (:func:`row_parallel_partials`), for a consumer that finishes them
+    (``RMSNorm.add``); None where the layer does not run the unsharded canonical chunks
+    (inside ``shard_map``, ``chunks=1``, the stock path): call the layer instead."""
+    if self.axis_name is not None or self.chunks == 1 or self.implementation == "xla":
+      return None
+    dtype = self.dtype
+    bias = None if self.bias is None else self.bias[...].astype(dtype)
+    return (row_parallel_partials(x.astype(dtype), self.kernel[...].astype(dtype),
+                                  chunks=self.chunks, implementation=self.implementation),
+            bias)
+
 
 def _row_linear(din, dout, axes, *, bias, dtype, param_dtype, chunks, implementation, rngs):
   layer = RowParallelLinear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
@@ -339,10 +336,14 @@ class MLP(nnx.Module):
     self.down_proj = _row_linear(i, h, ("mlp", "embed"), chunks=row_chunks, **lin)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(self.hidden(x))
+
+  def hidden(self, x: jax.Array) -> jax.Array:
+    """``silu(gate(x)) * up(x)``, the input of ``down_proj``."""
     y = self.gate_up_proj(x)
     g, u = y[..., 0::2], y[..., 1::2]
     act = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
-    return self.down_proj(act.astype(g.dtype))
+    return act.astype(g.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -372,16 +373,39 @@ class DecoderLayer(nnx.Module):
                                                 docs=docs))
     return self._rest(x, attn), k, v
 
-  def decode(self, x, cache_k, cache_v, lengths):
+  def decode(self, x, cache_k, cache_v, lengths, pending=None):
     """One token per row ``x [B, 1, H]`` at position ``lengths[b]``: writes its ``k, v``
-    into the cache and attends to slots ``0..lengths[b]``."""
-    q, k, v = self.self_attn.qkv(self.input_layernorm(x), lengths[:, None])
+    into the cache and attends to slots ``0..lengths[b]``.
+
+    The residual adds of ``o_proj`` and ``down_proj`` are finished by the RMSNorm that
+    follows them (``RMSNorm.add``: one pass, the same bits as add then norm). ``pending``:
+    the previous layer's ``down_proj`` partials (``RowParallelLinear.partials``) not yet
+    added to ``x``, or None. Returns ``(x, pending, cache_k, cache_v)``: this layer's
+    ``down_proj`` partials are left pending for the next norm (None when the layer cannot
+    give partials: then ``x`` is complete)."""
+    if pending is None:
+      h = self.input_layernorm(x)
+    else:
+      x, h = self.input_layernorm.add(x, *pending)
+    q, k, v = self.self_attn.qkv(h, lengths[:, None])
     rows = jnp.arange(x.shape[0])
     cache_k = cache_k.at[rows, lengths].set(k[:, 0].astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[rows, lengths].set(v[:, 0].astype(cache_v.dtype), mode="drop")
     attn = self.self_attn.attend(q, cache_k, cache_v, q_positions=lengths[:, None],
                                  kv_lengths=lengths + 1)
-    return self._rest(x, attn), cache_k, cache_v
+    b, t = attn.shape[:2]
+    attn = attn.reshape(b, t, -1)
+    parts = self.self_attn.o_proj.partials(attn)
+    if parts is None:
+      x = x + self.self_attn.o_proj(attn)
+      h = self.post_attention_layernorm(x)
+    else:
+      x, h = self.post_attention_layernorm.add(x, *parts)
+    act = self.mlp.hidden(h)
+    parts = self.mlp.down_proj.partials(act)
+    if parts is None:
+      return x + self.mlp.down_proj(act), None, cache_k, cache_v
+    return x, parts, cache_k, cache_v
 
 
 def _check_row_chunks(cfg: DecoderConfig, row_chunks) -> None:
@@ -588,11 +612,12 @@ class DecoderLM(nnx.Module):
     lengths = cache.lengths
     x = self.embed_tokens(token[:, None])
     keys, values = [], []
+    pending = None  # a layer's down_proj partials, added by the next norm
     for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
-      x, ck, cv = layer.decode(x, ck, cv, lengths)
+      x, pending, ck, cv = layer.decode(x, ck, cv, lengths, pending)
       keys.append(ck)
       values.append(cv)
-    h = self.norm(x)[:, 0]
+    h = (self.norm(x) if pending is None else self.norm.add(x, *pending)[1])[:, 0]
     full = lengths >= cache.max_len
     h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
     return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))

@@ -7,6 +7,8 @@ from jaxrl_kernels.nn.lm_head import LogitStats as LogitStats
 from jaxrl_kernels.nn.lm_head import head_logits as head_logits
 from jaxrl_kernels.nn.lm_head import logits_logp as logits_logp
 from jaxrl_kernels.nn.lm_head import logp_from_stats as logp_from_stats
+from jaxrl_kernels.nn.norm import add_rms_norm as add_rms_norm
+from jaxrl_kernels.nn.norm import rms_norm as rms_norm
 from jaxrl_kernels.nn.sampler import SampleResult as SampleResult
 from jaxrl_kernels.nn.sampler import sample as sample
 from jaxrl_kernels.nn.sampler import score as score

@@ -1,0 +1,224 @@
+"""``rms_norm`` and ``add_rms_norm``: RMSNorm rows whose bits do not depend on the batch.
+
+``rms_norm(x, w) = round(w * x32 * rsqrt(tree_sum(x32^2) / N + eps))`` over the last axis,
+in float32 with one rounding to ``x``'s dtype (``tree_sum``: the row zero-padded to a
+power of two and folded in halves, an order fixed by ``N`` alone; XLA's ``jnp.mean``
+picks its order from the whole shape). ``add_rms_norm`` first adds a row-parallel
+layer's float32 chunk partials to the residual stream, ``x' = round(x + round(tree_c(P_c)
++ bias))`` (the bits of ``x + row_parallel_matmul(...)``), and returns ``(x', rms_norm(x'))``
+with the very bits of those two calls: one pass over the rows instead of three.
+
+Implementations: ``"triton"`` (``pallas/rmsnorm_triton.py``, one kernel; ``"mosaic"`` and
+``"cuda"`` run it too), ``"interpret"`` (that kernel on the CPU interpreter), ``"cpu"``
+(the same operations as XLA element-wise ops, guarded against FMA contraction, see
+``jaxrl_kernels/_cpu.py``) and ``"xla"`` (the stock ``jnp.mean`` form, not invariant).
+Gradients (``jax.custom_vjp``) are those of the float32 formula, run by XLA: deterministic
+run to run, ``dx`` rows independent of the other rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_kernels import _backend, _validation
+from jaxrl_kernels._cpu import guard, opaque_zero
+from jaxrl_kernels.gemm.row_parallel import pairwise_tree
+
+_SUPPORTED = ("mosaic", "triton", "interpret", "cuda", "cpu", "xla")
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis as a pairwise tree of elementwise adds (zero-padded to a power
+  of two). XLA picks a reduction's summation order from the whole shape (batch and
+  sequence length included); elementwise adds of fixed slices keep one order for every
+  shape, so a row's sum is the same bits wherever the row is."""
+  n = x.shape[-1]
+  width = 1 << max(0, (n - 1).bit_length())
+  if width != n:
+    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+def _formula(x, weight, eps: float, guarded: bool):
+  """The float32 formula in XLA ops (the ``"cpu"`` forward and every backward)."""
+  x32 = x.astype(jnp.float32)
+  if guarded:
+    # No square meets the add of the tree, and the mean (``/ n`` may become ``* (1 / n)``)
+    # does not meet ``+ eps``, in any fusion: XLA's CPU compiler would otherwise contract
+    # them into FMAs in one program (a decode step) and not in another (a forward).
+    zero = opaque_zero(x32)
+    ms = guard(tree_sum(guard(x32 * x32, zero)) / jnp.float32(x.shape[-1]), zero)[..., None]
+  else:
+    ms = tree_sum(x32 * x32)[..., None] / jnp.float32(x.shape[-1])
+  y = x32 * lax.rsqrt(ms + jnp.float32(eps))
+  return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def _residual(x, partials, bias):
+  delta = pairwise_tree(list(partials))
+  if bias is not None:
+    delta = delta + bias.astype(jnp.float32)
+  return x + delta.astype(x.dtype)
+
+
+@_backend.kernel_jit(static_argnames=("eps", "interpret"))
+def _kernel(x2, weight, partials, bias, *, eps: float, interpret: bool):
+  from jaxrl_kernels.pallas import rmsnorm_triton
+  return rmsnorm_triton.rms_norm_rows(x2, weight, eps=eps, interpret=interpret,
+                                      partials=partials, bias=bias)
+
+
+def _forward(x, weight, partials, bias, eps: float, impl: str):
+  """``(x', y)`` (``x' = x`` without partials) of implementation ``impl``."""
+  if impl == "xla":
+    x = x if partials is None else _residual(x, partials, bias)
+    x32 = x.astype(jnp.float32)
+    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * lax.rsqrt(ms + jnp.float32(eps))
+    return x, (weight.astype(jnp.float32) * y).astype(x.dtype)
+  if impl == "cpu" or x.size == 0:
+    x = x if partials is None else _residual(x, partials, bias)
+    return x, _formula(x, weight, eps, guarded=True)
+  n = x.shape[-1]
+  x2 = x.reshape(-1, n)
+  p2 = None if partials is None else partials.reshape(partials.shape[0], -1, n)
+  out = _kernel(x2, weight, p2, bias, eps=eps, interpret=impl == "interpret")
+  if partials is None:
+    return x, out.reshape(x.shape)
+  return out[0].reshape(x.shape), out[1].reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, weight, eps, impl):
+  return _forward(x, weight, None, None, eps, impl)[1]
+
+
+def _rms_norm_fwd(x, weight, eps, impl):
+  return _rms_norm(x, weight, eps, impl), (x, weight)
+
+
+def _rms_norm_bwd(eps, impl, res, g):
+  x, weight = res
+  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, guarded=False), x, weight)
+  return vjp(g)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _add_rms_norm(x, partials, weight, bias, eps, impl):
+  return _forward(x, weight, partials, bias, eps, impl)
+
+
+def _add_rms_norm_fwd(x, partials, weight, bias, eps, impl):
+  out = _add_rms_norm(x, partials, weight, bias, eps, impl)
+  # The partials are not kept (C float32 copies of the activation): the tree's derivative
+  # is 1 for every leaf, so their cotangent is the residual's, broadcast.
+  return out, (x, out[0], weight, bias, jnp.zeros((partials.shape[0], 0), jnp.float32))
+
+
+def _add_rms_norm_bwd(eps, impl, res, g):
+  x, x_new, weight, bias, chunks = res
+  g_x, g_y = g
+  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, guarded=False), x_new, weight)
+  g_norm, dw = vjp(g_y)
+  g_res = (g_x.astype(jnp.float32) + g_norm.astype(jnp.float32))
+  d_delta = g_res  # d x' / d delta = 1 (rounding), d delta / d P_c = 1
+  dp = jnp.broadcast_to(d_delta, (chunks.shape[0], *d_delta.shape))
+  db = None
+  if bias is not None:
+    db = jnp.sum(d_delta.reshape(-1, d_delta.shape[-1]), axis=0).astype(bias.dtype)
+  return g_res.astype(x.dtype), dp, dw, db
+
+
+_add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
+
+
+def _check(op, x, weight, eps, implementation):
+  x = jnp.asarray(x)
+  weight = jnp.asarray(weight)
+  _validation.check_float_array(op, "x", x)
+  _validation.check_float_array(op, "weight", weight)
+  if x.ndim < 1:
+    raise ValueError(f"{op}: x must have at least one axis, got a scalar")
+  if weight.shape != x.shape[-1:]:
+    raise ValueError(f"{op}: weight must have shape {x.shape[-1:]} (x's last axis), got "
+                     f"{weight.shape}")
+  eps = _validation.as_scalar(op, "eps", eps, positive=True, allow_traced=False)
+  impl = _backend.resolve(op, implementation, x.dtype, supported=_SUPPORTED)
+  if impl in ("mosaic", "cuda"):
+    impl = "triton"  # one RMSNorm kernel for every GPU implementation
+  return x, weight, float(eps), impl
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float,
+             implementation: str | None = None) -> jax.Array:
+  """RMSNorm over the last axis: ``round(w * x32 * rsqrt(mean(x32^2) + eps))``.
+
+  The mean of squares is :func:`tree_sum` ``/ N`` (module docstring), so a row's bits do
+  not depend on the other rows (batch, sequence length, padding), except for
+  ``implementation="xla"`` (``jnp.mean``, the stock baseline).
+
+  Args:
+    x: ``[..., N]`` bfloat16, float16 or float32.
+    weight: ``[N]`` float (used in float32).
+    eps: static positive float.
+    implementation: ``"triton"`` (also for ``"mosaic"``/``"cuda"``), ``"interpret"``,
+      ``"cpu"``, ``"xla"`` or None (by device: the kernel on a GPU, ``"cpu"`` on the CPU).
+
+  Returns:
+    ``[..., N]`` in ``x.dtype``.
+
+  >>> import jax.numpy as jnp
+  >>> rms_norm(jnp.full((2, 4), 2.0), jnp.ones((4,)), eps=1e-6, implementation="cpu").tolist()
+  [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+  """
+  x, weight, eps, impl = _check("rms_norm", x, weight, eps, implementation)
+  return _rms_norm(x, weight, eps, impl)
+
+
+def add_rms_norm(x: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: float,
+                 bias: jax.Array | None = None, implementation: str | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+  """The residual add of a row-parallel layer and the RMSNorm after it, in one pass.
+
+  ``x' = round(x + round(tree_c(partials[c]) + bias))`` (the float32 adjacent-pair tree of
+  :func:`jaxrl_kernels.gemm.row_parallel_matmul`, ``+ bias`` in float32, rounded to
+  ``x``'s dtype, then the residual add) and ``y = rms_norm(x', weight)``: bitwise
+  ``x + row_parallel_matmul(...)`` and :func:`rms_norm` of it, for every implementation.
+
+  Args:
+    x: ``[..., N]`` the residual stream.
+    partials: ``[C, ..., N]`` float32 chunk partials (``C`` a power of two), e.g.
+      :func:`jaxrl_kernels.gemm.row_parallel_partials`.
+    weight: ``[N]`` the norm's weight.
+    eps: static positive float.
+    bias: optional ``[N]`` of the row-parallel layer.
+    implementation: as :func:`rms_norm`.
+
+  Returns:
+    ``(x', y)``, both ``[..., N]`` in ``x.dtype``.
+  """
+  op = "add_rms_norm"
+  x, weight, eps, impl = _check(op, x, weight, eps, implementation)
+  partials = jnp.asarray(partials)
+  if partials.dtype != jnp.float32:
+    raise TypeError(f"{op}: partials must be float32, got {partials.dtype}")
+  c = partials.shape[0] if partials.ndim else 0
+  if partials.shape[1:] != x.shape or c < 1 or c & (c - 1):
+    raise ValueError(f"{op}: partials must have shape [C, *{x.shape}] with C a power of "
+                     f"two, got {partials.shape}")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _validation.check_float_array(op, "bias", bias)
+    if bias.shape != x.shape[-1:]:
+      raise ValueError(f"{op}: bias must have shape {x.shape[-1:]}, got {bias.shape}")
+  return _add_rms_norm(x, partials, weight, bias, eps, impl)
