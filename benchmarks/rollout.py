@@ -119,7 +119,8 @@ def _timed(fn, repeats: int, what: str) -> float:
 
 def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 8):
   """The kernels of one decode step (sampler head, draw and decode_step, as the sampler's
-  loop body runs them), or None without CUPTI.
+  loop body runs them; the kernel head's statistics merge, once per chunk of
+  ``nn.sampler.SAMPLER_CHUNK`` steps in the sampler, is left out), or None without CUPTI.
 
   One executable: prefill, then a ``fori_loop`` over a traced number of steps (the cache
   carried in the loop, updated in place as in the sampler); its CUPTI breakdown at
@@ -128,6 +129,9 @@ def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 
   graphdef, state = nnx.split(model)
   b, p = prompts.shape
 
+  def draw_at(i, logits):
+    return draw(jax.random.fold_in(jax.random.key(0), i), logits)
+
   @jax.jit
   def rollout(state, prompts, lens, n):
     m = nnx.merge(graphdef, state)
@@ -135,9 +139,14 @@ def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 
 
     def body(i, carry):
       h, cache, total = carry
-      logits, stats = m.head.logits(h, temperature=1.0, return_stats=True)
-      tok = draw(jax.random.fold_in(jax.random.key(0), i), logits)
-      total = total + logp_from_stats(logits, stats, tok)
+      parts = m.head.logits_partials(h, temperature=1.0)
+      if parts is None:  # the stock path: logits + log-softmax every step
+        logits, stats = m.head.logits(h, temperature=1.0, return_stats=True)
+        total = total + logp_from_stats(logits, stats, draw_at(i, logits))
+      else:  # the sampler merges the statistics once per chunk of steps (not counted here)
+        logits, stats = parts
+        total = total + stats.s[0]
+      tok = draw_at(i, logits)
       h, cache = m.decode_step(tok, cache)
       return h, cache, total
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import _validation
+from jaxrl_kernels import _validation, contract
 from jaxrl_kernels.gemm import det_matmul
 from jaxrl_kernels.linear_logp import api, xla
 from jaxrl_kernels.pallas import softmax_partials as sp
@@ -88,6 +88,37 @@ def _logits_bwd(st, res, g):
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
+def _check_head(op, hidden, weight, bias, temperature, weight_layout, fp32_head,
+                implementation):
+  """The checked arguments of a sampler-side head op, its compute dtype and implementation."""
+  _validation.check_choice(op, "weight_layout", weight_layout, api.LAYOUTS)
+  _validation.check_bool(op, "fp32_head", fp32_head)
+  hidden = jnp.asarray(hidden)
+  weight = jnp.asarray(weight)
+  if weight.ndim != 2 or hidden.ndim < 1:
+    raise ValueError(f"{op}: need hidden [..., H] and a 2-D weight, got {hidden.shape} "
+                     f"and {weight.shape}")
+  _validation.check_float_array(op, "hidden", hidden)
+  _validation.check_float_array(op, "weight", weight)
+  hd, v = weight.shape if weight_layout == "hv" else weight.shape[::-1]
+  if hidden.shape[-1] != hd:
+    raise ValueError(f"{op}: hidden has {hidden.shape[-1]} features but weight "
+                     f"{weight.shape} ({weight_layout!r}) has {hd}")
+  if hidden.dtype != weight.dtype and not fp32_head:
+    raise TypeError(f"{op}: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have "
+                    f"the same dtype unless fp32_head=True")
+  if v == 0:
+    raise ValueError(f"{op}: the vocabulary is empty (weight shape {weight.shape})")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.shape != (v,):
+      raise ValueError(f"{op}: bias must have shape ({v},), got {bias.shape}")
+  temperature = _validation.as_scalar(op, "temperature", temperature, positive=True)
+  compute_dtype = jnp.dtype(jnp.float32 if fp32_head else hidden.dtype)
+  impl = api.resolve(op, implementation, compute_dtype)
+  return hidden, weight, bias, temperature, compute_dtype, impl, hd, v
+
+
 def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None = None,
                 temperature: float | jax.Array = 1.0, weight_layout: str = "hv",
                 fp32_head: bool = False, return_stats: bool = False,
@@ -130,32 +161,9 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
   [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
   """
   op = "head_logits"
-  _validation.check_choice(op, "weight_layout", weight_layout, api.LAYOUTS)
-  _validation.check_bool(op, "fp32_head", fp32_head)
   _validation.check_bool(op, "return_stats", return_stats)
-  hidden = jnp.asarray(hidden)
-  weight = jnp.asarray(weight)
-  if weight.ndim != 2 or hidden.ndim < 1:
-    raise ValueError(f"{op}: need hidden [..., H] and a 2-D weight, got {hidden.shape} "
-                     f"and {weight.shape}")
-  _validation.check_float_array(op, "hidden", hidden)
-  _validation.check_float_array(op, "weight", weight)
-  hd, v = weight.shape if weight_layout == "hv" else weight.shape[::-1]
-  if hidden.shape[-1] != hd:
-    raise ValueError(f"{op}: hidden has {hidden.shape[-1]} features but weight "
-                     f"{weight.shape} ({weight_layout!r}) has {hd}")
-  if hidden.dtype != weight.dtype and not fp32_head:
-    raise TypeError(f"{op}: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have "
-                    f"the same dtype unless fp32_head=True")
-  if v == 0:
-    raise ValueError(f"{op}: the vocabulary is empty (weight shape {weight.shape})")
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    if bias.shape != (v,):
-      raise ValueError(f"{op}: bias must have shape ({v},), got {bias.shape}")
-  temperature = _validation.as_scalar(op, "temperature", temperature, positive=True)
-  compute_dtype = jnp.dtype(jnp.float32 if fp32_head else hidden.dtype)
-  impl = api.resolve(op, implementation, compute_dtype)
+  hidden, weight, bias, temperature, compute_dtype, impl, hd, v = _check_head(
+      op, hidden, weight, bias, temperature, weight_layout, fp32_head, implementation)
   lead = hidden.shape[:-1]
   h2 = hidden.reshape(math.prod(lead), hd)
   if h2.shape[0] == 0:
@@ -180,6 +188,79 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
                           None if temp is None else sg(temp), st, return_stats=True)
   lse, _, ent = api.backend(impl).merge_partials(m, s, u)
   return z.reshape(*lead, v), LogitStats(lse.reshape(lead), ent.reshape(lead))
+
+
+class LogitPartials(NamedTuple):
+  """Per-vocabulary-tile row statistics of sampler logits, not yet merged
+  (:func:`head_logits_partials`). ``[n_tiles, ...]`` float32 each: the tile's max ``m``,
+  ``s = sum exp(z - m)`` and ``u = sum exp(z - m) (z - m)`` over its columns."""
+
+  m: jax.Array
+  s: jax.Array
+  u: jax.Array
+
+
+def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None = None,
+                         temperature: float | jax.Array = 1.0, weight_layout: str = "hv",
+                         fp32_head: bool = False, implementation: str | None = None
+                         ) -> tuple[jax.Array, LogitPartials]:
+  """:func:`head_logits` with ``return_stats``, the merge left to the caller.
+
+  The logits and their per-tile statistics come from the same kernel as
+  ``head_logits(..., return_stats=True)``; :func:`merge_logit_partials` of them gives its
+  :class:`LogitStats` bitwise, for the rows of one call or for the rows of many calls
+  stacked along a row axis (the merge folds each row's tiles on their own). A sampler
+  can so merge the statistics of many decode steps in one launch: the merge is a
+  sequential fold over the vocabulary tiles, whose latency does not shrink with fewer rows.
+  Arguments as :func:`head_logits`; ``"xla"`` has no partials (a ValueError).
+
+  Returns:
+    ``(logits [..., V] float32, LogitPartials of [n_tiles, ...])``.
+  """
+  op = "head_logits_partials"
+  hidden, weight, bias, temperature, compute_dtype, impl, hd, v = _check_head(
+      op, hidden, weight, bias, temperature, weight_layout, fp32_head, implementation)
+  if impl == "xla":
+    raise ValueError(f"{op}: implementation='xla' has no per-tile statistics; use "
+                     f"head_logits(..., return_stats=True)")
+  lead = hidden.shape[:-1]
+  n_tiles = -(-v // contract.VOCAB_TILE)
+  h2 = hidden.reshape(math.prod(lead), hd)
+  if h2.shape[0] == 0:
+    empty = jnp.zeros((n_tiles, *lead), jnp.float32)
+    return jnp.zeros((*lead, v), jnp.float32), LogitPartials(empty - jnp.inf, empty, empty)
+  h2, weight = api.with_features(h2, weight, weight_layout)
+  temp = sp.temperature_scalar(temperature)
+  st = _Static(weight_layout, compute_dtype.name, impl)
+  sg = lax.stop_gradient
+  z, (m, s, u) = _project(sg(h2), sg(weight), None if bias is None else sg(bias),
+                          None if temp is None else sg(temp), st, return_stats=True)
+  parts = LogitPartials(*(x.reshape(n_tiles, *lead) for x in (m, s, u)))
+  return z.reshape(*lead, v), parts
+
+
+def merge_logit_partials(partials: LogitPartials, *, implementation: str | None = None
+                         ) -> LogitStats:
+  """:class:`LogitStats` of :func:`head_logits_partials`' statistics ``[n_tiles, ...]``
+  (of one call, or of several calls' rows stacked on the axes after the first): the
+  fused op's merge, in ascending tile order per row, bitwise ``head_logits(...,
+  return_stats=True)``'s statistics of each row. ``implementation``: the one that made
+  the partials (None: by device)."""
+  op = "merge_logit_partials"
+  m, s, u = (jnp.asarray(x) for x in partials)
+  if not (m.shape == s.shape == u.shape) or m.ndim < 1:
+    raise ValueError(f"{op}: partials must be three arrays of one shape [n_tiles, ...], got "
+                     f"{m.shape}, {s.shape}, {u.shape}")
+  for name, x in zip(("m", "s", "u"), (m, s, u), strict=True):
+    if x.dtype != jnp.float32:
+      raise TypeError(f"{op}: partials.{name} must be float32, got {x.dtype}")
+  lead = m.shape[1:]
+  if math.prod(lead) == 0:
+    empty = jnp.zeros(lead, jnp.float32)
+    return LogitStats(empty, empty)
+  lse, _, ent = api.merge_partials(*(x.reshape(m.shape[0], -1) for x in (m, s, u)),
+                                   implementation=implementation)
+  return LogitStats(lse.reshape(lead), ent.reshape(lead))
 
 
 def logp_from_stats(logits: jax.Array, stats: LogitStats, targets: jax.Array,

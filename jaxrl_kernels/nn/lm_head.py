@@ -21,11 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_kernels.linear_logp import api as _api
 from jaxrl_kernels.linear_logp import linear_logp
+from jaxrl_kernels.linear_logp.logits import LogitPartials as LogitPartials
 from jaxrl_kernels.linear_logp.logits import LogitStats as LogitStats
 from jaxrl_kernels.linear_logp.logits import head_logits as head_logits
+from jaxrl_kernels.linear_logp.logits import head_logits_partials as head_logits_partials
 from jaxrl_kernels.linear_logp.logits import logits_logp as logits_logp
 from jaxrl_kernels.linear_logp.logits import logp_from_stats as logp_from_stats
+from jaxrl_kernels.linear_logp.logits import merge_logit_partials as merge_logit_partials
 
 _DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
 _DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
@@ -104,6 +108,23 @@ class LMHead(nnx.Module):
                        temperature=temperature, weight_layout=self.weight_layout,
                        fp32_head=self.fp32_head, return_stats=return_stats,
                        implementation=self.implementation)
+
+  def logits_partials(self, h: jax.Array, temperature: float = 1.0):
+    """``self.logits(h, temperature, return_stats=True)`` with the statistics' merge left
+    to :meth:`merge_partials` (:func:`head_logits_partials`): ``(logits, LogitPartials)``.
+    None for ``implementation="xla"`` (no per-tile statistics there)."""
+    if self.implementation == "xla":
+      return None
+    return head_logits_partials(self.hidden(h), self.weight(), bias=self.bias_value(),
+                                temperature=temperature, weight_layout=self.weight_layout,
+                                fp32_head=self.fp32_head, implementation=self.implementation)
+
+  def merge_partials(self, partials: LogitPartials) -> LogitStats:
+    """:class:`LogitStats` of :meth:`logits_partials`' statistics, of one call or of several
+    calls' rows stacked after the tile axis: bitwise ``self.logits(..., return_stats=True)``'s
+    statistics of each row."""
+    impl = _api.resolve("merge_logit_partials", self.implementation, self.compute_dtype)
+    return merge_logit_partials(partials, implementation=impl)
 
   def logp_from_logits(self, logits: jax.Array, targets: jax.Array,
                        mask: jax.Array | None = None, return_entropy: bool = False):

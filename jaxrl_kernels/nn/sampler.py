@@ -29,8 +29,10 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl_kernels.nn.lm_head import LMHead, logp_from_stats
+from jaxrl_kernels import contract
+from jaxrl_kernels.nn.lm_head import LMHead, LogitPartials, logp_from_stats
 from jaxrl_kernels.nn.tiny_lm import KVCache
+from jaxrl_kernels.pallas import softmax_partials as sp
 
 
 class CausalLM(Protocol):
@@ -125,9 +127,14 @@ def cache_length(total: int) -> int:
   return -(-total // CACHE_ALIGN) * CACHE_ALIGN
 
 
+# Decode steps per chunk of the sampler loop: the loop's condition (a device-to-host read)
+# runs once per chunk, and the chunk's LM-head statistics are merged in one launch.
+SAMPLER_CHUNK = 32
+
+
 def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
-              top_p: float | None):
+              top_p: float | None, steps_per_chunk: int = SAMPLER_CHUNK):
   b, p = prompts.shape
   n = max_new_tokens
   total = p + n
@@ -141,44 +148,95 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   state = (tokens, jnp.zeros((b, total), bool), jnp.zeros((b, total), jnp.float32),
            jnp.zeros((b,), bool))
   stops = jnp.asarray(stop_ids, jnp.int32)
+  head = model.head
+  v = model.config.vocab_size
+  # Kernel heads give the logits' per-tile statistics unmerged: the merge (a sequential fold
+  # over the vocabulary tiles, ~0.1 ms whatever the rows) runs once per chunk of steps on
+  # all of the chunk's rows. Each row's merge is the same fold, so the log-probs are
+  # bitwise those of a per-step merge. Other heads (the stock path, a vocab-parallel head)
+  # report each step's log-prob at once.
+  deferred = hasattr(head, "logits_partials") and getattr(head, "implementation", None) != "xla"
+  k = max(1, min(n - 1, steps_per_chunk))
+  if deferred:
+    n_tiles = -(-v // contract.VOCAB_TILE)
+    buf = tuple(jnp.zeros((n_tiles, k, b), jnp.float32) for _ in range(3))
+  else:
+    buf = ()
+  buf = (buf, jnp.zeros((k, b), jnp.float32), jnp.zeros((k, b), jnp.int32))
 
-  def emit(h, state, i):
-    """Samples token ``i`` of every row from ``h`` and records it."""
+  def emit(h, state, buf, i, slot):
+    """Samples token ``i`` of every row from ``h`` and records it (its log-prob, or what
+    the chunk's merge needs for it, in ``slot`` of ``buf``)."""
     tokens, mask, logp, done = state
-    # One head pass: the logits and their row statistics come out of the same kernel,
-    # reduced by the fused op's own per-tile code, so the reported log-prob is the
-    # trainer's ``model.head(h, tok)`` bit for bit (stock path: a plain log-softmax).
-    logits, stats = model.head.logits(h, temperature=temperature, return_stats=True)
+    parts, tz_buf, tok_buf = buf
+    if deferred:
+      # One head pass: the logits and their per-tile statistics from the same kernel (the
+      # fused op's own per-tile code), merged with the chunk in flush().
+      logits, stats = head.logits_partials(h, temperature=temperature)
+      parts = tuple(x.at[:, slot].set(y) for x, y in zip(parts, stats, strict=True))
+    else:
+      # The logits and their merged statistics (stock path: a plain log-softmax).
+      logits, stats = head.logits(h, temperature=temperature, return_stats=True)
     tok = draw(jax.random.fold_in(key, i), logits, top_k=top_k, top_p=top_p)
-    lp = logp_from_stats(logits, stats, tok)
     live = ~done
     at = prompt_lengths + i
     tokens = tokens.at[rows, at].set(jnp.where(live, tok, 0))
     mask = mask.at[rows, at].set(live)
-    logp = logp.at[rows, at].set(jnp.where(live, lp, 0.0))
+    if deferred:
+      tz = jnp.take_along_axis(logits, jnp.clip(tok, 0, v - 1)[:, None], axis=-1)[:, 0]
+      tz_buf = tz_buf.at[slot].set(tz)
+      tok_buf = tok_buf.at[slot].set(tok)
+    else:
+      lp = logp_from_stats(logits, stats, tok)
+      logp = logp.at[rows, at].set(jnp.where(live, lp, 0.0))
     if stop_ids:
       done = done | jnp.any(tok[:, None] == stops[None, :], axis=1)
-    return tok, (tokens, mask, logp, done)
+    return tok, (tokens, mask, logp, done), (parts, tz_buf, tok_buf)
 
-  def cond(carry):
-    i, _, _, state = carry
-    return (i < n - 1) & ~jnp.all(state[3])
+  def flush(state, buf, i0, count: int):
+    """Merges the statistics of steps ``i0 .. i0 + count - 1`` (slots ``0 .. count - 1``)
+    and records their log-probs: ``logp_from_stats`` of each step, bitwise."""
+    if not deferred:
+      return state
+    tokens, mask, logp, done = state
+    parts, tz_buf, tok_buf = buf
+    merged = head.merge_partials(LogitPartials(*(x[:, :count] for x in parts)))
+    lp, _ = sp.finalize(tz_buf[:count], merged.lse, merged.entropy, tok_buf[:count], None, v)
+    at = prompt_lengths[None, :] + i0 + jnp.arange(count)[:, None]
+    live = mask[rows[None, :], at]
+    logp = logp.at[rows[None, :], at].set(jnp.where(live, lp, 0.0))
+    return tokens, mask, logp, done
 
-  def step(carry):
-    i, h, cache, state = carry
-    tok, state = emit(h, state, i)
+  def decode(j, carry):
+    i0, h, cache, state, buf = carry
+    tok, state, buf = emit(h, state, buf, i0 + j, j)
     h, cache = model.decode_step(tok, cache)
-    return i + 1, h, cache, state
+    return i0, h, cache, state, buf
 
-  # Stops early once every row has hit a stop id (the remaining steps would record nothing).
-  i, h, _, state = lax.while_loop(cond, step, (jnp.int32(0), h, cache, state))
-  _, (tokens, mask, logp, _) = emit(h, state, i)  # the last token needs no decode step
+  def chunk_cond(carry):
+    i0, _, _, state, _ = carry
+    return (i0 + k <= n - 1) & ~jnp.all(state[3])
+
+  def chunk(carry):
+    i0, h, cache, state, buf = lax.fori_loop(0, k, decode, carry)
+    return i0 + k, h, cache, flush(state, buf, i0, k), buf
+
+  # Whole chunks of k decode steps; the loop stops early once every row has hit a stop id
+  # (at a chunk boundary: the rest of a chunk records nothing for finished rows).
+  carry = lax.while_loop(chunk_cond, chunk, (jnp.int32(0), h, cache, state, buf))
+  # The remaining decode steps (fewer than k; none after an early stop records anything),
+  # then the last token, which needs no decode step.
+  tail = (n - 1) % k if n > 1 else 0
+  i0, h, _, state, buf = lax.fori_loop(0, tail, decode, carry)
+  _, state, buf = emit(h, state, buf, i0 + tail, tail)
+  tokens, mask, logp, _ = flush(state, buf, i0, tail + 1)
   lengths = prompt_lengths + jnp.sum(mask, axis=1, dtype=jnp.int32)
   return SampleResult(tokens, lengths, mask, logp)
 
 
 _generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature",
-                                                    "stop_ids", "top_k", "top_p"))
+                                                    "stop_ids", "top_k", "top_p",
+                                                    "steps_per_chunk"))
 
 
 def _is_int(x) -> bool:
@@ -188,16 +246,18 @@ def _is_int(x) -> bool:
 def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
            eos_id: int | None = None, stop_ids: Sequence[int] = (),
-           top_k: int | None = None, top_p: float | None = None) -> SampleResult:
+           top_k: int | None = None, top_p: float | None = None,
+           steps_per_chunk: int = SAMPLER_CHUNK) -> SampleResult:
   """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
-  Prefills the prompts, then per step: logits and their statistics
-  ``model.head.logits(h, T, return_stats=True)`` (one head pass), a token drawn
-  with ``fold_in(key, step)`` (optionally restricted to the top-k / top-p
-  candidates), its log-prob ``logp_from_stats`` (bitwise ``model.head(h,
-  token, temperature=T)`` on the kernel paths: the trainer's
-  ``model.logp``), then ``model.decode_step``. Rows that sampled a stop id
-  stop; the loop ends early when every row has.
+  Prefills the prompts, then per step: logits and their statistics from one head pass
+  (``model.head.logits_partials``, the per-tile statistics merged once per chunk of
+  ``steps_per_chunk`` steps, or ``model.head.logits(h, T, return_stats=True)`` for heads
+  without it), a token drawn with ``fold_in(key, step)`` (optionally restricted to the
+  top-k / top-p candidates), its log-prob ``logp_from_stats`` (bitwise ``model.head(h,
+  token, temperature=T)`` on the kernel paths: the trainer's ``model.logp``), then
+  ``model.decode_step``. Rows that sampled a stop id stop; the loop ends early (at a chunk
+  boundary) when every row has.
 
   Args:
     model: a :class:`CausalLM` (``TinyCausalLM``, ``models.DecoderLM``).
@@ -214,6 +274,10 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     top_p: static float in ``(0, 1]`` or None: draw from the smallest set of top
       candidates whose renormalised probability reaches ``top_p`` (after
       ``top_k``). The reported ``logp`` stays the full softmax's (the trainer's).
+    steps_per_chunk: static int >= 1: decode steps per iteration of the sampling loop
+      (its condition is read by the host once per chunk) and, with a kernel head, per
+      merge of the LM-head statistics (one launch for the chunk's rows). Changes no bit;
+      after every row has stopped, at most ``2 (steps_per_chunk - 1)`` steps still run.
 
   Returns:
     A :class:`SampleResult`.
@@ -244,12 +308,15 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
   if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float)
                             or not 0 < top_p <= 1):
     raise ValueError(f"sample: top_p must be None or a float in (0, 1], got {top_p!r}")
+  if not _is_int(steps_per_chunk) or steps_per_chunk < 1:
+    raise ValueError(f"sample: steps_per_chunk must be an int >= 1, got {steps_per_chunk!r}")
   return _generate_jit(model, prompts, prompt_lengths, key, max_new_tokens=int(max_new_tokens),
                        temperature=float(temperature),
                        stop_ids=tuple(sorted({int(s) for s in ids})),
                        top_k=None if top_k is None else int(top_k),
                        # top_p = 1 keeps every token: no truncation (as in transformers).
-                       top_p=None if top_p is None or top_p == 1 else float(top_p))
+                       top_p=None if top_p is None or top_p == 1 else float(top_p),
+                       steps_per_chunk=int(steps_per_chunk))
 
 
 # --------------------------------------------------------------------------------- scoring

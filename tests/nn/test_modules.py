@@ -321,3 +321,33 @@ def test_tiny_lm_config_errors():
                                             "triton"])
 def test_sampler_entropy_equals_fused_bitwise_impl_gpu(implementation, tied):
   _sampler_entropy_matches_fused(jnp.bfloat16, tied, implementation=implementation)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "interpret"])
+def test_head_partials_merged_later_give_the_stats_bitwise(impl):
+  """``head_logits_partials`` of two calls, stacked along a row axis and merged once, give
+  each call's ``head_logits(..., return_stats=True)`` statistics bitwise."""
+  from jaxrl_kernels.linear_logp.logits import (
+      head_logits,
+      head_logits_partials,
+      merge_logit_partials,
+  )
+  w = (jax.random.normal(jax.random.key(1), (64, 1000)) * 0.3).astype(jnp.bfloat16)
+  hs = [jax.random.normal(jax.random.key(k), (3, 4, 64)).astype(jnp.bfloat16) for k in (2, 3)]
+  stats, parts = [], []
+  for h in hs:
+    z, st = head_logits(h, w, return_stats=True, temperature=0.8, implementation=impl)
+    z2, p = head_logits_partials(h, w, temperature=0.8, implementation=impl)
+    assert_bitwise_equal(z2, z, "logits")
+    assert p.m.shape == (8, 3, 4)
+    stats.append(st)
+    parts.append(p)
+  both = type(parts[0])(*(jnp.stack(x, axis=1) for x in zip(*parts, strict=True)))
+  merged = merge_logit_partials(both, implementation=impl)
+  for k, st in enumerate(stats):
+    assert_bitwise_equal(merged.lse[k], st.lse, f"lse of call {k}")
+    assert_bitwise_equal(merged.entropy[k], st.entropy, f"entropy of call {k}")
+  with pytest.raises(ValueError, match="implementation='xla' has no per-tile statistics"):
+    head_logits_partials(hs[0], w, implementation="xla")
+  with pytest.raises(TypeError, match="partials.m must be float32"):
+    merge_logit_partials(type(both)(both.m.astype(jnp.bfloat16), both.s, both.u))

@@ -108,7 +108,39 @@ def test_greedy_and_early_stop(lm):
                                 np.asarray(a.logp)[np.arange(4), LENS])
 
 
+def test_steps_per_chunk_changes_no_bit(lm):
+  """Chunks of 1, 3, 4 and 32 steps (the merge of the head statistics per chunk, a tail of
+  fewer steps, rows stopping mid-chunk): the same tokens and log-probs, the trainer's."""
+  kw = dict(max_new_tokens=11, key=jax.random.key(6), temperature=1.1)
+  plain = np.asarray(sample(lm, PROMPTS, LENS, **kw).tokens)
+  # Stop ids sampled mid-run by two rows: those rows end inside a chunk.
+  kw["stop_ids"] = (int(plain[0, LENS[0] + 4]), int(plain[2, LENS[2] + 7]))
+  runs = {c: sample(lm, PROMPTS, LENS, steps_per_chunk=c, **kw) for c in (1, 3, 4, 32)}
+  ref = runs[1]
+  m = np.asarray(ref.completion_mask)
+  assert 0 < m.sum() < 4 * 11, "the stop ids should end some rows early"
+  for c, res in runs.items():
+    for name in ("tokens", "completion_mask", "lengths"):
+      np.testing.assert_array_equal(np.asarray(getattr(res, name)),
+                                    np.asarray(getattr(ref, name)), f"steps_per_chunk={c}")
+    assert_bitwise_equal(np.asarray(res.logp), np.asarray(ref.logp), f"steps_per_chunk={c}")
+  got = score(lm, ref.tokens, ref.completion_mask, temperature=1.1)
+  assert_bitwise_equal(got, np.asarray(ref.logp), "score vs sampler")
+
+
+def test_every_row_stopping_ends_the_loop_at_a_chunk(lm):
+  a = sample(lm, PROMPTS, LENS, max_new_tokens=9, key=jax.random.key(0), top_k=1)
+  first = sorted({int(np.asarray(a.tokens)[r, n]) for r, n in enumerate(LENS)})
+  for c in (2, 3):
+    stop = sample(lm, PROMPTS, LENS, max_new_tokens=9, key=jax.random.key(0), top_k=1,
+                  stop_ids=first, steps_per_chunk=c)
+    np.testing.assert_array_equal(np.asarray(stop.completion_mask).sum(1), 1)
+    np.testing.assert_array_equal(np.asarray(stop.logp)[np.asarray(stop.completion_mask)],
+                                  np.asarray(a.logp)[np.arange(4), LENS])
+
+
 @pytest.mark.parametrize("kw, match", [
+    (dict(steps_per_chunk=0), "steps_per_chunk must be an int >= 1"),
     (dict(top_k=0), "top_k must be None or an int in \\[1, 64\\]"),
     (dict(top_k=65), "top_k must be None or an int in \\[1, 64\\]"),
     (dict(top_k=True), "top_k"),
