@@ -8,7 +8,8 @@ kernel's ``out`` and ``lse`` as residuals): ``q [B, Tq, Hq, D]``,
 
 Kernel (FlashAttention-3 style, warp-specialized): a CTA holds ``CTA_ROWS =
 2 * BLOCK_Q`` queries of one (row, query head); two compute warpgroups own
-``BLOCK_Q = 64`` rows each (the wgmma M), a third warpgroup issues TMA loads
+``BLOCK_Q = 64`` rows each (the wgmma M; one warpgroup of ``BLOCK_Q`` rows when the
+call has no more rows than that, a decode step: ``compute_wgs_for``), a third issues TMA loads
 of K/V tiles of ``KEY_TILE`` keys into a ``STAGES``-deep ring of swizzled
 shared-memory buffers. Per tile, each compute warpgroup runs
 ``S = Q K^T`` (wgmma, float32 accumulators in registers), the fp32 online
@@ -32,8 +33,8 @@ CTA's largest ``last`` (a per-CTA tile count computed in XLA from the int32
 mask is always applied; there is no unmasked fast path whose code could
 contract differently). A row that sees no key of a tile keeps ``(m, l, acc)``
 through selects, so tiles walked for other rows never touch its bits. A decode
-step (``Tq = 1``) is padded to ``CTA_ROWS`` query rows at position -1, so it
-runs the very instructions of a prefill block. A row's bits depend only on
+step (``Tq = 1``) is padded to ``BLOCK_Q`` query rows at position -1, so its
+warpgroup runs the very instructions of a prefill block's warpgroups. A row's bits depend only on
 ``q[b, i, h]``, ``k/v[b, :last + 1, h // group]``, the dtype and ``scale``.
 
 Garbage past ``kv_len`` (a KV cache may hold NaN there): K rows past ``last``
@@ -88,8 +89,16 @@ def supported(d: int, dtype) -> str | None:
   return None
 
 
+def compute_wgs_for(rows: int) -> int:
+  """Compute warpgroups per CTA for ``rows`` query rows (after the GQA fold): one when they
+  fit one warpgroup's ``BLOCK_Q`` (a decode step), else two (ping-pong). A free knob: each
+  warpgroup runs the same instructions on its own 64 rows whatever the count, so it changes
+  no bit (decode == prefill compares the two, ``tests/test_contract.py``)."""
+  return 1 if rows <= BLOCK_Q else NUM_COMPUTE_WGS
+
+
 def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref, smem, loaded,
-            consumed, schedule, *, n_qblocks, group, d, scale2):
+            consumed, schedule, *, n_qblocks, group, d, scale2, wgs):
   qo_smem2, k_smem, v_smem, last_smem2, lse_smem2 = smem
   k_loaded, v_loaded, q_loaded, last_loaded = loaded
   k_free, v_free = consumed
@@ -106,11 +115,11 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
-  @pl.when(wg < NUM_COMPUTE_WGS)
+  @pl.when(wg < wgs)
   def _compute_wg():
     plgpu.set_max_registers(232, action="increase")
     qo_smem, last_smem, lse_smem = qo_smem2.at[wg], last_smem2.at[wg], lse_smem2.at[wg]
-    row0 = qb * CTA_ROWS + wg * BLOCK_Q
+    row0 = qb * (wgs * BLOCK_Q) + wg * BLOCK_Q
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_Q), h], qo_smem, q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(last_ref.at[b, pl.ds(row0, BLOCK_Q)], last_smem,
                             last_loaded.at[wg])
@@ -206,7 +215,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == NUM_COMPUTE_WGS)
+  @pl.when(wg == wgs)
   def _memory_wg():
     plgpu.set_max_registers(40, action="decrease")
     hk = lax.div(h, jnp.int32(group))
@@ -243,8 +252,10 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
   why = supported(d, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic): {why}; use implementation='triton'")
-  n_qblocks = cdiv(tq, CTA_ROWS)
-  tq_pad = n_qblocks * CTA_ROWS
+  wgs = compute_wgs_for(tq)
+  cta_rows = wgs * BLOCK_Q
+  n_qblocks = cdiv(tq, cta_rows)
+  tq_pad = n_qblocks * cta_rows
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
   if tq_pad != tq:
@@ -258,25 +269,25 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
     pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   # Per-CTA loop bound from the int32 `last` of its rows (no float data involved).
-  n_tiles = (jnp.max(last.reshape(bsz, n_qblocks, CTA_ROWS), axis=2) + KEY_TILE) // KEY_TILE
+  n_tiles = (jnp.max(last.reshape(bsz, n_qblocks, cta_rows), axis=2) + KEY_TILE) // KEY_TILE
 
   smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
     scratch = (
-        plgpu.SMEM((NUM_COMPUTE_WGS, BLOCK_Q, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=smem_transforms),
         plgpu.SMEM((STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
         plgpu.SMEM((STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
-        plgpu.SMEM((NUM_COMPUTE_WGS, BLOCK_Q), jnp.int32),
-        plgpu.SMEM((NUM_COMPUTE_WGS, BLOCK_Q), jnp.float32),
+        plgpu.SMEM((wgs, BLOCK_Q), jnp.int32),
+        plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
     )
     loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
-              plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-              plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS))
-    consumed = (plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=STAGES),) * 2
-    schedule = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS)
+              plgpu.Barrier(num_barriers=wgs),
+              plgpu.Barrier(num_barriers=wgs))
+    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES),) * 2
+    schedule = plgpu.Barrier(num_arrivals=wgs)
     kernel = functools.partial(_kernel, n_qblocks=n_qblocks, group=hq // hkv, d=d,
-                               scale2=scale * LOG2E)
+                               scale2=scale * LOG2E, wgs=wgs)
     pl.run_scoped(
         lambda *scoped: kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref,
                                lse_ref, *scoped),
@@ -288,7 +299,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
                 jax.ShapeDtypeStruct((bsz, hq, tq_pad), jnp.float32)),
       grid=(hq, n_qblocks, bsz),
       grid_names=("heads", "q_seq", "batch"),
-      num_threads=NUM_COMPUTE_WGS + 1,
+      num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="causal_attention_fwd_mosaic",
