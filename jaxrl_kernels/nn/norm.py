@@ -13,7 +13,7 @@ Implementations: ``"triton"`` (``pallas/rmsnorm_triton.py``, one kernel; ``"mosa
 (the same operations as XLA element-wise ops, guarded against FMA contraction, see
 ``jaxrl_kernels/_cpu.py``) and ``"xla"`` (the stock ``jnp.mean`` form, not invariant).
 Gradients (``jax.custom_vjp``) are those of the float32 formula, run by XLA: deterministic
-run to run, ``dx`` rows independent of the other rows.
+run to run (their bits are not claimed to be batch-invariant).
 """
 
 from __future__ import annotations
