@@ -302,8 +302,10 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
   if not supported(compute_dtype):
     raise TypeError(f"head_logits(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
-  cfg = config or MosaicLogpConfig()
   t = hidden2d.shape[0]
+  # A decode step's few rows: 64-row CTAs (a free knob) halve the padding rows' tensor-core
+  # work and logit stores.
+  cfg = config or MosaicLogpConfig(tile_m=64 if t <= 64 else 128)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)

@@ -139,6 +139,21 @@ def test_tile_m_and_walk_keep_the_bits(layout):
       assert_bitwise_equal(a, b, f"{name} with {cfg}")
 
 
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_logits_of_few_rows_keep_the_bits(layout):
+  """The sampler's logits kernel at <= 64 rows (64-row CTAs) gives the rows of a 300-row call
+  (128-row CTAs): logits and statistics bitwise."""
+  x, _ = _wide(300)
+  w = _weight(layout)
+  kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16, return_stats=True)
+  z, (m, s, u) = lm.logits(x, w, None, **kw)
+  for rows in (1, 40, 64):
+    z2, (m2, s2, u2) = lm.logits(x[:rows], w, None, **kw)
+    assert_bitwise_equal(z2, z[:rows], f"logits, {rows} rows")
+    for name, a, b in zip("msu", (m2, s2, u2), (m, s, u), strict=True):
+      assert_bitwise_equal(a, b[:, :rows], f"{name}, {rows} rows")
+
+
 @pytest.mark.parametrize("layout,bias", [("hv", True), ("vh", False)])
 def test_sampler_path_is_the_fused_op_bitwise(layout, bias):
   """head_logits -> logits_logp (the sampler) == linear_logp (the trainer), bit for bit."""
