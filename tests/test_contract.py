@@ -467,6 +467,15 @@ def test_vocab_shards_merge_to_the_unsharded_bits(layout, implementation):
                                      implementation=implementation)
     assert_bitwise_equal(lp_tp, lp, f"emulated TP={tp} logp")
     assert_bitwise_equal(ent_tp, ent, f"emulated TP={tp} entropy")
+  # A vocabulary of 2 tiles over TP = 8: shards 2..7 hold padding only (valid_vocab 0).
+  small = w[:, :200] if layout == "hv" else w[:200]
+  tg_small = tg % 200
+  lp_s, ent_s = jk.linear_logp(x, small, tg_small, return_entropy=True, weight_layout=layout,
+                               implementation=implementation)
+  lp_tp, ent_tp = emulated_tp_logp(x, small, tg_small, 8, 200, layout=layout,
+                                   implementation=implementation)
+  assert_bitwise_equal(lp_tp, lp_s, "emulated TP=8, padding-only shards, logp")
+  assert_bitwise_equal(ent_tp, ent_s, "emulated TP=8, padding-only shards, entropy")
   kw = dict(weight_layout=layout, implementation=implementation)
   full = logp_api.tile_partials(x, w, None, tg, **kw)
   ref = logp_api.merge_partials(*full[:3], implementation=implementation)

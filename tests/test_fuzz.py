@@ -706,12 +706,6 @@ def test_causal_attention_bad_scale_is_named(scale):
   named(lambda: jk.causal_attention(q, q, q, scale=scale), "scale")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "linear_logp/vocab_parallel.py rejects pad_vocab's own output when the vocabulary is "
-    "smaller than (tp - 1) * VOCAB_TILE ('the last shard would hold only padding ... use 128 "
-    "columns per shard', which it already has); fix: let an all-padding shard contribute "
-    "m = -inf, s = u = 0 partials (the merge must guard exp(-inf - -inf)), or make "
-    "padded_vocab_size/pad_vocab and the check agree and name the real limit"))
 def test_pad_vocab_output_is_accepted_by_vocab_parallel_logp_for_a_small_vocab():
   case()
   if len(jax.devices()) < 2:

@@ -324,10 +324,6 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
         f"of the {tp} shards along {axis_name!r} holds {v_s} columns; pad the vocabulary to "
         f"{padded_vocab_size(vocab_size, tp)} columns "
         f"({padded_vocab_size(vocab_size, tp) // tp} per shard; see pad_vocab)")
-  if (tp - 1) * v_s >= vocab_size:
-    raise ValueError(f"{op}: the last shard along {axis_name!r} would hold only padding ({tp} "
-                     f"shards of {v_s} for vocab_size={vocab_size}); use "
-                     f"{padded_vocab_size(vocab_size, tp) // tp} columns per shard")
   x = api.validate(op, hidden, weight_shard, targets, bias=bias_shard, mask=mask,
                    temperature=temperature, weight_layout=weight_layout, fp32_head=fp32_head,
                    return_entropy=return_entropy)
