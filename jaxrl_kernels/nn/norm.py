@@ -12,9 +12,9 @@ Implementations: ``"triton"`` (``pallas/rmsnorm_triton.py``, one kernel; ``"mosa
 ``"cuda"`` run it too), ``"interpret"`` (that kernel on the CPU interpreter), ``"cpu"``
 (the same operations as XLA element-wise ops, guarded against FMA contraction, see
 ``jaxrl_kernels/_cpu.py``) and ``"xla"`` (the stock ``jnp.mean`` form, not invariant).
-Gradients (``jax.custom_vjp``; the ``"xla"`` baseline: plain autodiff) are those of the float32
-formula, run by XLA: deterministic
-run to run (their bits are not claimed to be batch-invariant).
+Gradients (``jax.custom_vjp``; the ``"xla"`` baseline: plain autodiff) are those of the
+float32 formula, run by XLA: deterministic run to run (their bits are not claimed to be
+batch-invariant).
 """
 
 from __future__ import annotations
