@@ -12,8 +12,9 @@ Implementations: ``"triton"`` (``pallas/rmsnorm_triton.py``, one kernel; ``"mosa
 ``"cuda"`` run it too), ``"interpret"`` (that kernel on the CPU interpreter), ``"cpu"``
 (the same operations as XLA element-wise ops, guarded against FMA contraction, see
 ``jaxrl_kernels/_cpu.py``) and ``"xla"`` (the stock ``jnp.mean`` form, not invariant).
-Gradients (``jax.custom_vjp``) are those of the float32 formula, run by XLA: deterministic
-run to run (their bits are not claimed to be batch-invariant).
+Gradients (``jax.custom_vjp``; the ``"xla"`` baseline: plain autodiff) are those of the
+float32 formula, run by XLA: deterministic run to run (their bits are not claimed to be
+batch-invariant).
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def tree_sum(x: jax.Array) -> jax.Array:
   return x[..., 0]
 
 
-def _formula(x, weight, eps: float, guarded: bool):
-  """The float32 formula in XLA ops (the ``"cpu"`` forward and every backward)."""
+def _formula(x, weight, eps: float, guarded: bool, stock: bool = False):
+  """The float32 formula in XLA ops: the ``"cpu"`` forward (``guarded``), every backward,
+  and with ``stock`` the ``"xla"`` baseline (``jnp.mean``: its order is XLA's choice)."""
   x32 = x.astype(jnp.float32)
-  if guarded:
+  if stock:
+    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  elif guarded:
     # No square meets the add of the tree, and the mean (``/ n`` may become ``* (1 / n)``)
     # does not meet ``+ eps``, in any fusion: XLA's CPU compiler would otherwise contract
     # them into FMAs in one program (a decode step) and not in another (a forward).
@@ -76,13 +80,7 @@ def _kernel(x2, weight, partials, bias, *, eps: float, interpret: bool):
 
 
 def _forward(x, weight, partials, bias, eps: float, impl: str):
-  """``(x', y)`` (``x' = x`` without partials) of implementation ``impl``."""
-  if impl == "xla":
-    x = x if partials is None else _residual(x, partials, bias)
-    x32 = x.astype(jnp.float32)
-    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    y = x32 * lax.rsqrt(ms + jnp.float32(eps))
-    return x, (weight.astype(jnp.float32) * y).astype(x.dtype)
+  """``(x', y)`` (``x' = x`` without partials) of implementation ``impl`` (not ``"xla"``)."""
   if impl == "cpu" or x.size == 0:
     x = x if partials is None else _residual(x, partials, bias)
     return x, _formula(x, weight, eps, guarded=True)
@@ -113,30 +111,30 @@ def _rms_norm_bwd(eps, impl, res, g):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _add_rms_norm(x, partials, weight, bias, eps, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _add_rms_norm(x, partials, weight, bias, eps, impl, chunks):
   return _forward(x, weight, partials, bias, eps, impl)
 
 
-def _add_rms_norm_fwd(x, partials, weight, bias, eps, impl):
-  out = _add_rms_norm(x, partials, weight, bias, eps, impl)
+def _add_rms_norm_fwd(x, partials, weight, bias, eps, impl, chunks):
+  out = _add_rms_norm(x, partials, weight, bias, eps, impl, chunks)
   # The partials are not kept (C float32 copies of the activation): the tree's derivative
   # is 1 for every leaf, so their cotangent is the residual's, broadcast.
-  return out, (x, out[0], weight, bias, jnp.zeros((partials.shape[0], 0), jnp.float32))
+  return out, (out[0], weight, bias)
 
 
-def _add_rms_norm_bwd(eps, impl, res, g):
-  x, x_new, weight, bias, chunks = res
+def _add_rms_norm_bwd(eps, impl, chunks, res, g):
+  x_new, weight, bias = res
   g_x, g_y = g
   _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, guarded=False), x_new, weight)
   g_norm, dw = vjp(g_y)
-  g_res = (g_x.astype(jnp.float32) + g_norm.astype(jnp.float32))
-  d_delta = g_res  # d x' / d delta = 1 (rounding), d delta / d P_c = 1
-  dp = jnp.broadcast_to(d_delta, (chunks.shape[0], *d_delta.shape))
+  # d x' / d delta = 1 (the rounding), d delta / d P_c = 1.
+  d_delta = g_x.astype(jnp.float32) + g_norm.astype(jnp.float32)
+  dp = jnp.broadcast_to(d_delta, (chunks, *d_delta.shape))
   db = None
   if bias is not None:
     db = jnp.sum(d_delta.reshape(-1, d_delta.shape[-1]), axis=0).astype(bias.dtype)
-  return g_res.astype(x.dtype), dp, dw, db
+  return d_delta.astype(x_new.dtype), dp, dw, db
 
 
 _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
@@ -182,6 +180,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float,
   [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
   """
   x, weight, eps, impl = _check("rms_norm", x, weight, eps, implementation)
+  if impl == "xla":  # the stock baseline: plain ops under jax's own autodiff
+    return _formula(x, weight, eps, guarded=False, stock=True)
   return _rms_norm(x, weight, eps, impl)
 
 
@@ -221,4 +221,7 @@ def add_rms_norm(x: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: f
     _validation.check_float_array(op, "bias", bias)
     if bias.shape != x.shape[-1:]:
       raise ValueError(f"{op}: bias must have shape {x.shape[-1:]}, got {bias.shape}")
-  return _add_rms_norm(x, partials, weight, bias, eps, impl)
+  if impl == "xla":  # the stock baseline: plain ops under jax's own autodiff
+    x = _residual(x, partials, bias)
+    return x, _formula(x, weight, eps, guarded=False, stock=True)
+  return _add_rms_norm(x, partials, weight, bias, eps, impl, c)
