@@ -176,7 +176,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float,
     ``[..., N]`` in ``x.dtype``.
 
   >>> import jax.numpy as jnp
-  >>> rms_norm(jnp.full((2, 4), 2.0), jnp.ones((4,)), eps=1e-6, implementation="cpu").tolist()
+  >>> y = rms_norm(jnp.full((2, 4), 2.0), jnp.ones((4,)), eps=1e-6, implementation="cpu")
+  >>> jnp.round(y, 4).tolist()
   [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
   """
   x, weight, eps, impl = _check("rms_norm", x, weight, eps, implementation)
