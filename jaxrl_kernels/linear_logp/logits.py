@@ -88,6 +88,14 @@ def _logits_bwd(st, res, g):
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
+def _stats_project(h2, weight, bias, temp, st):
+  """``(z, (m, s, u))``: the logits and their per-tile statistics from one kernel pass, as
+  values (the sampler's head: no gradient flows through them)."""
+  sg = lax.stop_gradient
+  return _project(sg(h2), sg(weight), None if bias is None else sg(bias),
+                  None if temp is None else sg(temp), st, return_stats=True)
+
+
 def _check_head(op, hidden, weight, bias, temperature, weight_layout, fp32_head,
                 implementation):
   """The checked arguments of a sampler-side head op, its compute dtype and implementation."""
@@ -183,9 +191,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
   st = _Static(weight_layout, compute_dtype.name, impl)
   if not return_stats:
     return _logits(h2, weight, bias, temp, st).reshape(*lead, v)
-  sg = lax.stop_gradient
-  z, (m, s, u) = _project(sg(h2), sg(weight), None if bias is None else sg(bias),
-                          None if temp is None else sg(temp), st, return_stats=True)
+  z, (m, s, u) = _stats_project(h2, weight, bias, temp, st)
   lse, _, ent = api.backend(impl).merge_partials(m, s, u)
   return z.reshape(*lead, v), LogitStats(lse.reshape(lead), ent.reshape(lead))
 
@@ -232,9 +238,7 @@ def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Arra
   h2, weight = api.with_features(h2, weight, weight_layout)
   temp = sp.temperature_scalar(temperature)
   st = _Static(weight_layout, compute_dtype.name, impl)
-  sg = lax.stop_gradient
-  z, (m, s, u) = _project(sg(h2), sg(weight), None if bias is None else sg(bias),
-                          None if temp is None else sg(temp), st, return_stats=True)
+  z, (m, s, u) = _stats_project(h2, weight, bias, temp, st)
   parts = LogitPartials(*(x.reshape(n_tiles, *lead) for x in (m, s, u)))
   return z.reshape(*lead, v), parts
 

@@ -159,21 +159,20 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   k = max(1, min(n - 1, steps_per_chunk))
   if deferred:
     n_tiles = -(-v // contract.VOCAB_TILE)
-    buf = tuple(jnp.zeros((n_tiles, k, b), jnp.float32) for _ in range(3))
+    # Per slot of the chunk: the head's per-tile statistics, the target logit, the token.
+    buf = (tuple(jnp.zeros((n_tiles, k, b), jnp.float32) for _ in range(3)),
+           jnp.zeros((k, b), jnp.float32), jnp.zeros((k, b), jnp.int32))
   else:
     buf = ()
-  buf = (buf, jnp.zeros((k, b), jnp.float32), jnp.zeros((k, b), jnp.int32))
 
   def emit(h, state, buf, i, slot):
     """Samples token ``i`` of every row from ``h`` and records it (its log-prob, or what
     the chunk's merge needs for it, in ``slot`` of ``buf``)."""
     tokens, mask, logp, done = state
-    parts, tz_buf, tok_buf = buf
     if deferred:
       # One head pass: the logits and their per-tile statistics from the same kernel (the
       # fused op's own per-tile code), merged with the chunk in flush().
       logits, stats = head.logits_partials(h, temperature=temperature)
-      parts = tuple(x.at[:, slot].set(y) for x, y in zip(parts, stats, strict=True))
     else:
       # The logits and their merged statistics (stock path: a plain log-softmax).
       logits, stats = head.logits(h, temperature=temperature, return_stats=True)
@@ -183,15 +182,16 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
     tokens = tokens.at[rows, at].set(jnp.where(live, tok, 0))
     mask = mask.at[rows, at].set(live)
     if deferred:
+      parts, tz_buf, tok_buf = buf
       tz = jnp.take_along_axis(logits, jnp.clip(tok, 0, v - 1)[:, None], axis=-1)[:, 0]
-      tz_buf = tz_buf.at[slot].set(tz)
-      tok_buf = tok_buf.at[slot].set(tok)
+      buf = (tuple(x.at[:, slot].set(y) for x, y in zip(parts, stats, strict=True)),
+             tz_buf.at[slot].set(tz), tok_buf.at[slot].set(tok))
     else:
       lp = logp_from_stats(logits, stats, tok)
       logp = logp.at[rows, at].set(jnp.where(live, lp, 0.0))
     if stop_ids:
       done = done | jnp.any(tok[:, None] == stops[None, :], axis=1)
-    return tok, (tokens, mask, logp, done), (parts, tz_buf, tok_buf)
+    return tok, (tokens, mask, logp, done), buf
 
   def flush(state, buf, i0, count: int):
     """Merges the statistics of steps ``i0 .. i0 + count - 1`` (slots ``0 .. count - 1``)
