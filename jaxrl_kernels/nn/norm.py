@@ -17,7 +17,8 @@ float32 formula with the row mean as XLA's reduction, run by XLA: deterministic 
 (their bits are not claimed to be batch-invariant). The backward does not differentiate
 ``tree_sum``: its slices and adds are element-wise, so XLA fuses them into every consumer,
 and the weight gradient's column reduction recomputed each row's 1024-leaf tree once per
-column (~0.35 ms per norm at 8192 x 896 on an H100, where the reduction costs ~0.02 ms).
+column (a Qwen2.5-0.5B training step of 8192 tokens on an H100: 16.6 ms in those
+reductions, 4.5 ms with the ``jnp.mean`` form).
 """
 
 from __future__ import annotations
