@@ -139,7 +139,10 @@ def test_zero_padded_chunks_give_the_same_bits(impl, monkeypatch):
         lambda x, w: jnp.sum(jk.gemm.row_parallel_partials(x, w, implementation=impl)[3]
                              * cot.astype(jnp.float32)), argnums=(0, 1)))(x, w)
     tp2 = jax.jit(_sharded(2, implementation=impl))(x, w, b)
-    return (out, parts, *grads, *pgrads, tp2)
+    cw = jk.gemm.chunk_weight(w, implementation=impl)
+    prepared = jax.jit(functools.partial(jk.gemm.row_parallel_partials,
+                                         implementation=impl))(x, cw)
+    return (out, parts, *grads, *pgrads, tp2, prepared)
 
   plain = everything()
   plan = row_parallel_module._chunk_plan
@@ -152,13 +155,31 @@ def test_zero_padded_chunks_give_the_same_bits(impl, monkeypatch):
   monkeypatch.setattr(row_parallel_module, "_chunk_plan", padded_plan)
   padded = everything()
   assert seen, "the padded plan was not used"
-  names = ("out", "partials", "dx", "dw", "dbias", "partials dx", "partials dw", "TP=2")
+  names = ("out", "partials", "dx", "dw", "dbias", "partials dx", "partials dw", "TP=2",
+           "ChunkedWeight partials")
   for name, got, ref in zip(names, padded, plain, strict=True):
     assert got.shape == ref.shape, name
     assert_bitwise_equal(got, ref, f"{impl} padded {name}")
   # Not vacuous: the padded forward's chunk products are different calls of the kernel.
   assert_bitwise_equal(padded[0], _canonical_by_definition(x, w, b, implementation=impl,
                                                            k_pad=16), "written out")
+
+
+def test_chunked_weight_is_checked_and_forward_only():
+  x, w, _ = _inputs("float32", m=4, k=128, n=16)
+  cw = jk.gemm.chunk_weight(w)
+  assert cw.stacked.shape == (contract.ROW_PARALLEL_CHUNKS, 128 // contract.ROW_PARALLEL_CHUNKS,
+                              16)
+  assert_bitwise_equal(jk.gemm.row_parallel_partials(x, cw),
+                       jk.gemm.row_parallel_partials(x, w), "ChunkedWeight")
+  with pytest.raises(ValueError, match="another plan"):
+    jk.gemm.row_parallel_partials(x, cw, chunks=4)
+  with pytest.raises(ValueError, match=r"got \(4, 64\) and \(128, 16\)"):
+    jk.gemm.row_parallel_partials(x[:, :64], cw)
+  with pytest.raises(TypeError, match="forward-only"):
+    jax.grad(lambda w: jnp.sum(jk.gemm.row_parallel_partials(x, jk.gemm.chunk_weight(w))))(w)
+  with pytest.raises(ValueError, match="chunks=8"):
+    jk.gemm.chunk_weight(w[:100])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -327,9 +348,10 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
     assert_bitwise_equal(_op(x[:m], w, b, implementation=impl), full[:m], f"{impl} M={m}")
   cot = jax.random.normal(jax.random.key(1), (1000, n)).astype(jnp.bfloat16)
   _, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, implementation=impl), x)
+  # The backward of a padded plan runs the chunks unpadded on Triton.
+  bwd = "triton" if pad else run
   dx_ref = jax.jit(lambda: jnp.concatenate(
-      [det_matmul(cot, _padded(w[c * kc:(c + 1) * kc], 0, pad), transpose_b=True,
-                  implementation=run)[:, :kc]
+      [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=bwd)
        for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
   assert_bitwise_equal(vjp(cot)[0], dx_ref, f"{impl} dx")
   assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
