@@ -13,8 +13,11 @@ Implementations: ``"triton"`` (``pallas/rmsnorm_triton.py``, one kernel; ``"mosa
 (the same operations as XLA element-wise ops, guarded against FMA contraction, see
 ``jaxrl_kernels/_cpu.py``) and ``"xla"`` (the stock ``jnp.mean`` form, not invariant).
 Gradients (``jax.custom_vjp``; the ``"xla"`` baseline: plain autodiff) are those of the
-float32 formula, run by XLA: deterministic run to run (their bits are not claimed to be
-batch-invariant).
+float32 formula with the row mean as XLA's reduction, run by XLA: deterministic run to run
+(their bits are not claimed to be batch-invariant). The backward does not differentiate
+``tree_sum``: its slices and adds are element-wise, so XLA fuses them into every consumer,
+and the weight gradient's column reduction recomputed each row's 1024-leaf tree once per
+column (~0.35 ms per norm at 8192 x 896 on an H100, where the reduction costs ~0.02 ms).
 """
 
 from __future__ import annotations
@@ -47,20 +50,18 @@ def tree_sum(x: jax.Array) -> jax.Array:
   return x[..., 0]
 
 
-def _formula(x, weight, eps: float, guarded: bool, stock: bool = False):
-  """The float32 formula in XLA ops: the ``"cpu"`` forward (``guarded``), every backward,
-  and with ``stock`` the ``"xla"`` baseline (``jnp.mean``: its order is XLA's choice)."""
+def _formula(x, weight, eps: float, stock: bool):
+  """The float32 formula in XLA ops: the ``"cpu"`` forward (``tree_sum``, guarded), and with
+  ``stock`` the ``"xla"`` baseline and every backward (``jnp.mean``: XLA's order)."""
   x32 = x.astype(jnp.float32)
   if stock:
     ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-  elif guarded:
+  else:
     # No square meets the add of the tree, and the mean (``/ n`` may become ``* (1 / n)``)
     # does not meet ``+ eps``, in any fusion: XLA's CPU compiler would otherwise contract
     # them into FMAs in one program (a decode step) and not in another (a forward).
     zero = opaque_zero(x32)
     ms = guard(tree_sum(guard(x32 * x32, zero)) / jnp.float32(x.shape[-1]), zero)[..., None]
-  else:
-    ms = tree_sum(x32 * x32)[..., None] / jnp.float32(x.shape[-1])
   y = x32 * lax.rsqrt(ms + jnp.float32(eps))
   return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
@@ -83,7 +84,7 @@ def _forward(x, weight, partials, bias, eps: float, impl: str):
   """``(x', y)`` (``x' = x`` without partials) of implementation ``impl`` (not ``"xla"``)."""
   if impl == "cpu" or x.size == 0:
     x = x if partials is None else _residual(x, partials, bias)
-    return x, _formula(x, weight, eps, guarded=True)
+    return x, _formula(x, weight, eps, stock=False)
   n = x.shape[-1]
   x2 = x.reshape(-1, n)
   p2 = None if partials is None else partials.reshape(partials.shape[0], -1, n)
@@ -104,7 +105,7 @@ def _rms_norm_fwd(x, weight, eps, impl):
 
 def _rms_norm_bwd(eps, impl, res, g):
   x, weight = res
-  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, guarded=False), x, weight)
+  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, stock=True), x, weight)
   return vjp(g)
 
 
@@ -126,7 +127,7 @@ def _add_rms_norm_fwd(x, partials, weight, bias, eps, impl, chunks):
 def _add_rms_norm_bwd(eps, impl, chunks, res, g):
   x_new, weight, bias = res
   g_x, g_y = g
-  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, guarded=False), x_new, weight)
+  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, stock=True), x_new, weight)
   g_norm, dw = vjp(g_y)
   # d x' / d delta = 1 (the rounding), d delta / d P_c = 1.
   d_delta = g_x.astype(jnp.float32) + g_norm.astype(jnp.float32)
@@ -182,7 +183,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float,
   """
   x, weight, eps, impl = _check("rms_norm", x, weight, eps, implementation)
   if impl == "xla":  # the stock baseline: plain ops under jax's own autodiff
-    return _formula(x, weight, eps, guarded=False, stock=True)
+    return _formula(x, weight, eps, stock=True)
   return _rms_norm(x, weight, eps, impl)
 
 
@@ -224,5 +225,5 @@ def add_rms_norm(x: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: f
       raise ValueError(f"{op}: bias must have shape {x.shape[-1:]}, got {bias.shape}")
   if impl == "xla":  # the stock baseline: plain ops under jax's own autodiff
     x = _residual(x, partials, bias)
-    return x, _formula(x, weight, eps, guarded=False, stock=True)
+    return x, _formula(x, weight, eps, stock=True)
   return _add_rms_norm(x, partials, weight, bias, eps, impl, c)
