@@ -141,19 +141,22 @@ def _chunk_weights(w, n: int, k_pad: int = 0) -> jax.Array:
   return jnp.pad(w3, ((0, 0), (0, k_pad), (0, 0))) if k_pad else w3
 
 
-# The backward of a padded chunk runs unpadded on the Triton kernel (one launch for the C
-# chunks): per-chunk Mosaic products of a padded chunk's narrow [K/C + pad]-wide output
-# (dx columns, dw rows) fill few SMs; with them a Qwen2.5-0.5B training step took 146 ms
-# against 122 ms stock (H100). Gradient bits are fixed by the plan, as every plan's are.
-_BACKWARD_OF_PADDED = {"mosaic": "triton"}
+# A differentiated call (training) runs a padded plan's chunks unpadded on the Triton kernel,
+# forward and backward (one launch for the C chunks); the primal (rollout: prefill and
+# decode) keeps the padded Mosaic plan. The bits are the same either way (every kernel runs
+# the contract's products). On an H100 (Qwen2.5-0.5B, 8192 tokens) the padded Mosaic
+# backward's narrow [K/C + pad]-wide products (dx columns, dw rows) took the training step
+# to 146 ms against 122 ms stock, and the padded forward with its pad copies cost ~5 ms per
+# step more than the unpadded Triton forward.
+_TRAINING_OF_PADDED = {"mosaic": "triton"}
 
 
-def _backward_static(st: _Static) -> _Static:
-  """The products the backward runs: a padded plan's chunks unpadded (see above)."""
+def _training_static(st: _Static) -> _Static:
+  """The products a differentiated call runs, forward and backward (see above)."""
   if not st.k_pad:
     return st
   return dataclasses.replace(
-      st, implementation=_BACKWARD_OF_PADDED.get(st.implementation, st.implementation), k_pad=0)
+      st, implementation=_TRAINING_OF_PADDED.get(st.implementation, st.implementation), k_pad=0)
 
 
 def _chunk_plan(implementation: str | None, dtype, n: int, k_chunk: int) -> tuple[str, int]:
@@ -165,7 +168,7 @@ def _chunk_plan(implementation: str | None, dtype, n: int, k_chunk: int) -> tupl
   ascending order, and the last tile's zero terms add exactly 0 (an accumulation from +0
   never holds -0), so this is the chunk's product by the Mosaic kernel. Decided by the
   weight's shape and dtype only: every batch size and every TP degree (the same chunk
-  shape) run the same plan (the backward: ``_backward_static``).
+  shape) run the same plan (a differentiated call: ``_training_static``).
   """
   tile = contract.GEMM_TILE_K
   padded = -(-k_chunk // tile) * tile
@@ -225,8 +228,8 @@ def _row_parallel(st: _Static, x2, w, bias):
 
 
 def _fwd(st: _Static, x2, w, bias):
-  # The same code as the primal: rollout (forward only) and training give the same bits.
-  return _forward(st, x2, w, bias), (x2, w, bias)
+  # The training plan: the primal's bits (rollout and training give the same bits).
+  return _forward(_training_static(st), x2, w, bias), (x2, w, bias)
 
 
 def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
@@ -248,7 +251,7 @@ def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
 def _bwd(st: _Static, res, g):
   x2, w, bias = res
   g = _full_cotangent(st, g.astype(x2.dtype))
-  st = _backward_static(st)
+  st = _training_static(st)
   n_loc = st.local_chunks
   kc = w.shape[0] // n_loc
   w3 = _chunk_weights(w, n_loc, st.k_pad)
@@ -399,12 +402,12 @@ def _partials(st: _Static, x2, w):
 
 
 def _partials_fwd(st: _Static, x2, w):
-  return _partials(st, x2, w), (x2, w)
+  return _partials(_training_static(st), x2, w), (x2, w)
 
 
 def _partials_bwd(st: _Static, res, g):
   x2, w = res
-  st = _backward_static(st)
+  st = _training_static(st)
   c = st.local_chunks
   kc = w.shape[0] // c
   g = g.astype(x2.dtype)

@@ -336,7 +336,8 @@ def _expected_plan(impl, k):
 def test_gpu_kernels_follow_the_contract(impl, k, n):
   """Each GPU implementation (one vmapped launch for Triton and CUTLASS, one grouped launch
   for the Mosaic forward, one launch per chunk for the Mosaic backward) gives each chunk
-  the bits of det_matmul on that chunk alone: the forward, dx, and rows at M = 1, 64, 1000."""
+  the bits of det_matmul on that chunk alone: the forward (primal and differentiated), dx,
+  and rows at M = 1, 64, 1000."""
   kc = k // contract.ROW_PARALLEL_CHUNKS
   run, pad = _expected_plan(impl, k)
   assert row_parallel_module._chunk_plan(impl, jnp.bfloat16, n, kc) == (run, pad)
@@ -347,8 +348,10 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
   for m in (1, 64):
     assert_bitwise_equal(_op(x[:m], w, b, implementation=impl), full[:m], f"{impl} M={m}")
   cot = jax.random.normal(jax.random.key(1), (1000, n)).astype(jnp.bfloat16)
-  _, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, implementation=impl), x)
-  # The backward of a padded plan runs the chunks unpadded on Triton.
+  trained, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, implementation=impl), x)
+  # A differentiated call runs a padded plan's chunks unpadded on Triton, forward and
+  # backward: its forward is the primal's bits.
+  assert_bitwise_equal(trained, full, f"{impl} forward under differentiation")
   bwd = "triton" if pad else run
   dx_ref = jax.jit(lambda: jnp.concatenate(
       [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=bwd)
