@@ -348,7 +348,7 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
   for m in (1, 64):
     assert_bitwise_equal(_op(x[:m], w, b, implementation=impl), full[:m], f"{impl} M={m}")
   cot = jax.random.normal(jax.random.key(1), (1000, n)).astype(jnp.bfloat16)
-  trained, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, implementation=impl), x)
+  trained, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, b, implementation=impl), x)
   # A differentiated call runs a padded plan's chunks unpadded on Triton, forward and
   # backward: its forward is the primal's bits.
   assert_bitwise_equal(trained, full, f"{impl} forward under differentiation")
