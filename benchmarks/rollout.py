@@ -136,6 +136,7 @@ def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 
   def rollout(state, prompts, lens, n):
     m = nnx.merge(graphdef, state)
     h, cache = m.prefill(prompts, lens, m.init_cache(b, cache_length(p + new_tokens)))
+    weights = m.decode_weights()  # once, before the loop, as the sampler does
 
     def body(i, carry):
       h, cache, total = carry
@@ -147,7 +148,7 @@ def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 
         logits, stats = parts
         total = total + stats.s[0]
       tok = draw_at(i, logits)
-      h, cache = m.decode_step(tok, cache)
+      h, cache = m.decode_step(tok, cache, weights=weights)
       return h, cache, total
 
     return jax.lax.fori_loop(0, n, body, (h, cache, jnp.zeros((b,), jnp.float32)))[2]

@@ -59,6 +59,7 @@ class _Static:
   merge: str
   implementation: str
   out_dtype: jnp.dtype
+  k_pad: int = 0  # zero rows appended to each K chunk (``_chunk_plan``)
 
 
 def _axis_size(axis_name) -> int:
@@ -122,10 +123,63 @@ def _stacked_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transp
                     for c in range(st.local_chunks)])
 
 
-def _split_k(x2, n: int) -> jax.Array:
-  """``[M, K]`` -> ``[n, M, K/n]``: the ``n`` contiguous K chunks, chunk-major."""
+def _split_k(x2, n: int, k_pad: int = 0) -> jax.Array:
+  """``[M, K]`` -> ``[n, M, K/n + k_pad]``: the ``n`` contiguous K chunks, chunk-major, each
+  followed by ``k_pad`` zero columns (one copy either way)."""
   m, k = x2.shape
-  return x2.reshape(m, n, k // n).transpose(1, 0, 2)
+  x3 = x2.reshape(m, n, k // n)
+  if k_pad:
+    x3 = jnp.pad(x3, ((0, 0), (0, 0), (0, k_pad)))
+  return x3.transpose(1, 0, 2)
+
+
+def _chunk_weights(w, n: int, k_pad: int = 0) -> jax.Array:
+  """``[K, N]`` -> ``[n, K/n + k_pad, N]``: the weight rows of each K chunk, then ``k_pad``
+  zero rows."""
+  k, cols = w.shape
+  w3 = w.reshape(n, k // n, cols)
+  return jnp.pad(w3, ((0, 0), (0, k_pad), (0, 0))) if k_pad else w3
+
+
+# A differentiated call (training) runs a padded plan's chunks unpadded on the Triton kernel,
+# forward and backward (one launch for the C chunks); the primal (rollout: prefill and
+# decode) keeps the padded Mosaic plan. The bits are the same either way (every kernel runs
+# the contract's products). On an H100 (Qwen2.5-0.5B, 8192 tokens) the padded Mosaic
+# backward's narrow [K/C + pad]-wide products (dx columns, dw rows) took the training step
+# to 146 ms against 122 ms stock, and the padded forward with its pad copies cost ~5 ms per
+# step more than the unpadded Triton forward.
+_TRAINING_OF_PADDED = {"mosaic": "triton"}
+
+
+def _training_static(st: _Static) -> _Static:
+  """The products a differentiated call runs, forward and backward (see above)."""
+  if not st.k_pad:
+    return st
+  return dataclasses.replace(
+      st, implementation=_TRAINING_OF_PADDED.get(st.implementation, st.implementation), k_pad=0)
+
+
+def _chunk_plan(implementation: str | None, dtype, n: int, k_chunk: int) -> tuple[str, int]:
+  """``(implementation, k_pad)`` of the chunk products of a ``[k_chunk, N]`` chunk weight.
+
+  A chunk whose K is not a multiple of the contract's K tile (Qwen2.5-0.5B: 896 / 8 = 112
+  and 4864 / 8 = 608) runs on the Mosaic kernel with its K zero-padded to the next whole
+  tile, where Mosaic takes the padded weight: the contract's walk is whole K tiles in
+  ascending order, and the last tile's zero terms add exactly 0 (an accumulation from +0
+  never holds -0), so this is the chunk's product by the Mosaic kernel. Decided by the
+  weight's shape and dtype only: every batch size and every TP degree (the same chunk
+  shape) run the same plan (a differentiated call: ``_training_static``).
+  """
+  tile = contract.GEMM_TILE_K
+  padded = -(-k_chunk // tile) * tile
+  if padded != k_chunk and implementation in (None, "mosaic"):
+    try:
+      impl = resolve_implementation(implementation, dtype, n, padded)
+    except ValueError:
+      impl = None
+    if impl == "mosaic":
+      return impl, padded - k_chunk
+  return resolve_implementation(implementation, dtype, n, k_chunk), 0
 
 
 def _tree_all_reduce(st: _Static, local: jax.Array, finish) -> jax.Array:
@@ -149,9 +203,8 @@ def _tree_all_reduce(st: _Static, local: jax.Array, finish) -> jax.Array:
 
 def _forward(st: _Static, x2, w, bias):
   n = w.shape[1]
-  k_chunk = x2.shape[1] // st.local_chunks
-  parts = _chunk_products(st, _split_k(x2, st.local_chunks),
-                          w.reshape(st.local_chunks, k_chunk, n), lhs_transposed=False,
+  parts = _chunk_products(st, _split_k(x2, st.local_chunks, st.k_pad),
+                          _chunk_weights(w, st.local_chunks, st.k_pad), lhs_transposed=False,
                           rhs_transposed=False, out_dtype=jnp.float32, lhs_stacked=True,
                           rhs_stacked=True)
   local = pairwise_tree(parts)  # this rank's complete subtree, [M, N] float32
@@ -175,8 +228,8 @@ def _row_parallel(st: _Static, x2, w, bias):
 
 
 def _fwd(st: _Static, x2, w, bias):
-  # The same code as the primal: rollout (forward only) and training give the same bits.
-  return _forward(st, x2, w, bias), (x2, w, bias)
+  # The training plan: the primal's bits (rollout and training give the same bits).
+  return _forward(_training_static(st), x2, w, bias), (x2, w, bias)
 
 
 def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
@@ -198,17 +251,21 @@ def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
 def _bwd(st: _Static, res, g):
   x2, w, bias = res
   g = _full_cotangent(st, g.astype(x2.dtype))
+  st = _training_static(st)
   n_loc = st.local_chunks
-  w3 = w.reshape(n_loc, w.shape[0] // n_loc, w.shape[1])
+  kc = w.shape[0] // n_loc
+  w3 = _chunk_weights(w, n_loc, st.k_pad)
   # Per chunk, like the forward: every TP degree runs the same products of the same shapes.
-  # dx_c = dy @ w_c^T: [M, N] x [N, K/C] (w_c [K/C, N] read as transposed).
+  # dx_c = dy @ w_c^T: [M, N] x [N, K/C] (w_c [K/C, N] read as transposed; a padded
+  # chunk's zero rows give zero columns, dropped).
   dx = _chunk_products(st, g, w3, lhs_transposed=False, rhs_transposed=True,
                        out_dtype=x2.dtype, lhs_stacked=False, rhs_stacked=True)
-  dx = jnp.concatenate(dx, axis=1)
+  dx = jnp.concatenate([d[:, :kc] for d in dx], axis=1)
   # dw_c = x_c^T @ dy: a reduction over tokens, deterministic run to run.
-  dw = jnp.concatenate(_chunk_products(st, _split_k(x2, n_loc), g, lhs_transposed=True,
-                                       rhs_transposed=False, out_dtype=w.dtype,
-                                       lhs_stacked=True, rhs_stacked=False), axis=0)
+  dw = _chunk_products(st, _split_k(x2, n_loc, st.k_pad), g, lhs_transposed=True,
+                       rhs_transposed=False, out_dtype=w.dtype, lhs_stacked=True,
+                       rhs_stacked=False)
+  dw = jnp.concatenate([d[:kc] for d in dw], axis=0)
   db = None
   if bias is not None:
     # The sum of dy over tokens as a det_matmul product (ones^T @ dy): a fixed order,
@@ -266,7 +323,9 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, bias: jax.Array | None = Non
       float32 ``det_matmul`` over the rank's ``K/p`` rows, ``lax.psum``, bias, rounding; its
       bits depend on ``p``).
     implementation: the ``det_matmul`` implementation of every chunk product (None: by
-      device, decided by the chunk's ``[K/C, N]`` weight shape and dtype).
+      device, decided by the chunk's ``[K/C, N]`` weight shape and dtype). On Hopper a
+      chunk K off the 64-wide K tile runs the Mosaic kernel zero-padded to whole tiles
+      (``None`` or ``"mosaic"``; the same bits as the unpadded chunk's walk).
 
   Returns:
     ``[..., N]`` in ``x.dtype``.
@@ -323,9 +382,12 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, bias: jax.Array | None = Non
       where = "" if tp == 1 else f" ({tp} ranks x K/p={k_loc})"
       raise ValueError(f"{_OP}: K={k}{where} must be a multiple of chunks={chunks}")
     local_chunks = chunks // tp
-  impl = resolve_implementation(implementation, x.dtype, n, k_loc // local_chunks)
+  if merge == "canonical":
+    impl, k_pad = _chunk_plan(implementation, x.dtype, n, k_loc // local_chunks)
+  else:  # the control: one product over the rank's K rows, as det_matmul runs it
+    impl, k_pad = resolve_implementation(implementation, x.dtype, n, k_loc), 0
   st = _Static(axis_name=axis_name, tp=tp, local_chunks=local_chunks, merge=merge,
-               implementation=impl, out_dtype=jnp.dtype(x.dtype))
+               implementation=impl, out_dtype=jnp.dtype(x.dtype), k_pad=k_pad)
   lead = x.shape[:-1]
   x2 = x.reshape(math.prod(lead), k_loc)
   return _row_parallel(st, x2, w, bias).reshape(*lead, n)
@@ -333,32 +395,105 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array, bias: jax.Array | None = Non
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _partials(st: _Static, x2, w):
-  n = w.shape[1]
-  k_chunk = x2.shape[1] // st.local_chunks
-  return _stacked_products(st, _split_k(x2, st.local_chunks),
-                           w.reshape(st.local_chunks, k_chunk, n), lhs_transposed=False,
+  return _stacked_products(st, _split_k(x2, st.local_chunks, st.k_pad),
+                           _chunk_weights(w, st.local_chunks, st.k_pad), lhs_transposed=False,
                            rhs_transposed=False, out_dtype=jnp.float32, lhs_stacked=True,
                            rhs_stacked=True)
 
 
 def _partials_fwd(st: _Static, x2, w):
-  return _partials(st, x2, w), (x2, w)
+  return _partials(_training_static(st), x2, w), (x2, w)
 
 
 def _partials_bwd(st: _Static, res, g):
   x2, w = res
+  st = _training_static(st)
   c = st.local_chunks
-  w3 = w.reshape(c, w.shape[0] // c, w.shape[1])
+  kc = w.shape[0] // c
   g = g.astype(x2.dtype)
-  # dx_c = dP_c @ w_c^T and dw_c = x_c^T @ dP_c, one fixed-shape product per chunk.
-  dx = _chunk_products(st, g, w3, lhs_transposed=False, rhs_transposed=True,
-                       out_dtype=x2.dtype, lhs_stacked=True, rhs_stacked=True)
-  dw = _chunk_products(st, _split_k(x2, c), g, lhs_transposed=True, rhs_transposed=False,
-                       out_dtype=w.dtype, lhs_stacked=True, rhs_stacked=True)
-  return jnp.concatenate(dx, axis=1), jnp.concatenate(dw, axis=0)
+  # dx_c = dP_c @ w_c^T and dw_c = x_c^T @ dP_c, one fixed-shape product per chunk (a
+  # padded chunk's zero rows and columns dropped).
+  dx = _chunk_products(st, g, _chunk_weights(w, c, st.k_pad), lhs_transposed=False,
+                       rhs_transposed=True, out_dtype=x2.dtype, lhs_stacked=True,
+                       rhs_stacked=True)
+  dw = _chunk_products(st, _split_k(x2, c, st.k_pad), g, lhs_transposed=True,
+                       rhs_transposed=False, out_dtype=w.dtype, lhs_stacked=True,
+                       rhs_stacked=True)
+  return (jnp.concatenate([d[:, :kc] for d in dx], axis=1),
+          jnp.concatenate([d[:kc] for d in dw], axis=0))
 
 
 _partials.defvjp(_partials_fwd, _partials_bwd)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class ChunkedWeight:
+  """A ``[K, N]`` weight in the layout :func:`row_parallel_partials` multiplies: its ``C``
+  K chunks stacked, each followed by its plan's zero rows (:func:`chunk_weight`).
+
+  Made once outside a decode loop, it keeps the per-step copy of a padded weight out of
+  every step (XLA does not hoist a size-increasing ``pad`` out of a loop). A pytree:
+  ``stacked [C, K/C + k_pad, N]`` is its leaf, the rest static.
+  """
+  stacked: jax.Array
+  k: int
+  k_pad: int
+  implementation: str
+
+  def tree_flatten(self):
+    return (self.stacked,), (self.k, self.k_pad, self.implementation)
+
+  @classmethod
+  def tree_unflatten(cls, aux, leaves):
+    return cls(leaves[0], *aux)
+
+
+def _check_partials_args(op: str, x, w, chunks) -> int:
+  """Checks ``x`` (None: no x), ``w`` (an array or its ShapeDtypeStruct) and ``chunks``."""
+  if x is not None:
+    _validation.check_float_array(op, "x", x)
+  _validation.check_float_array(op, "w", w)
+  chunks = _validation.check_int(op, "chunks", chunks, minimum=1)
+  if chunks & (chunks - 1):
+    raise ValueError(f"{op}: chunks must be a power of two, got {chunks}")
+  if w.ndim != 2:
+    raise ValueError(f"{op}: w must be 2-D [K, N], got shape {w.shape}")
+  if w.shape[0] % chunks:
+    raise ValueError(f"{op}: K={w.shape[0]} must be a multiple of chunks={chunks}")
+  return chunks
+
+
+def chunk_weight(w: jax.Array, *, chunks: int = contract.ROW_PARALLEL_CHUNKS,
+                 implementation: str | None = None) -> ChunkedWeight:
+  """``w [K, N]`` in :func:`row_parallel_partials`' layout for ``chunks`` and
+  ``implementation`` (the same plan the call would pick), for a forward-only loop that
+  multiplies by the same weight every step. A reshape where the chunks need no padding."""
+  op = "chunk_weight"
+  w = jnp.asarray(w)
+  chunks = _check_partials_args(op, None, w, chunks)
+  k, n = w.shape
+  impl, k_pad = _chunk_plan(implementation, w.dtype, n, k // chunks)
+  return ChunkedWeight(_chunk_weights(w, chunks, k_pad), k, k_pad, impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _prepared_partials(st: _Static, x2, stacked):
+  return _stacked_products(st, _split_k(x2, st.local_chunks, st.k_pad), stacked,
+                           lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.float32,
+                           lhs_stacked=True, rhs_stacked=True)
+
+
+def _prepared_fwd(st, x2, stacked):
+  return _prepared_partials(st, x2, stacked), None
+
+
+def _prepared_bwd(st, res, g):
+  raise TypeError("row_parallel_partials: a ChunkedWeight is for forward-only loops (a "
+                  "decode step); differentiate through the [K, N] weight instead")
+
+
+_prepared_partials.defvjp(_prepared_fwd, _prepared_bwd)
 
 
 def row_parallel_partials(x: jax.Array, w: jax.Array, *,
@@ -373,30 +508,42 @@ def row_parallel_partials(x: jax.Array, w: jax.Array, *,
 
   Args:
     x: ``[..., K]`` bfloat16, float16 or float32.
-    w: ``[K, N]``, x's dtype.
+    w: ``[K, N]``, x's dtype; or its :class:`ChunkedWeight` (:func:`chunk_weight` with the
+      same ``chunks`` and ``implementation``): the same bits, forward only.
     chunks: ``C``, a power of two dividing ``K``.
     implementation: the ``det_matmul`` implementation of every chunk product.
 
   Returns:
-    ``[C, ..., N]`` float32. Gradients: per chunk ``dx_c = dP_c w_c^T``, ``dw_c = x_c^T dP_c``.
+    ``[C, ..., N]`` float32. Gradients (of a ``[K, N]`` weight): per chunk
+    ``dx_c = dP_c w_c^T``, ``dw_c = x_c^T dP_c``.
   """
   op = "row_parallel_partials"
   x = jnp.asarray(x)
-  w = jnp.asarray(w)
-  _validation.check_float_array(op, "x", x)
-  _validation.check_float_array(op, "w", w)
-  chunks = _validation.check_int(op, "chunks", chunks, minimum=1)
-  if chunks & (chunks - 1):
-    raise ValueError(f"{op}: chunks must be a power of two, got {chunks}")
-  if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+  prepared = w if isinstance(w, ChunkedWeight) else None
+  if prepared is not None:
+    stacked = prepared.stacked
+    if stacked.ndim != 3:
+      raise ValueError(f"{op}: w.stacked must be [C, K/C + pad, N], got {stacked.shape}")
+    w = jax.ShapeDtypeStruct((prepared.k, stacked.shape[2]), stacked.dtype)  # for the checks
+  else:
+    w = jnp.asarray(w)
+  chunks = _check_partials_args(op, x, w, chunks)
+  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"{op}: need x [..., K] and w [K, N], got {x.shape} and {w.shape}")
   if x.dtype != w.dtype:
     raise TypeError(f"{op}: x and w must have the same dtype, got {x.dtype} and {w.dtype}")
   k, n = w.shape
-  if k % chunks:
-    raise ValueError(f"{op}: K={k} must be a multiple of chunks={chunks}")
-  impl = resolve_implementation(implementation, x.dtype, n, k // chunks)
+  impl, k_pad = _chunk_plan(implementation, x.dtype, n, k // chunks)
   st = _Static(axis_name=None, tp=1, local_chunks=chunks, merge="canonical",
-               implementation=impl, out_dtype=jnp.dtype(jnp.float32))
+               implementation=impl, out_dtype=jnp.dtype(jnp.float32), k_pad=k_pad)
   lead = x.shape[:-1]
-  return _partials(st, x.reshape(math.prod(lead), k), w).reshape(chunks, *lead, n)
+  x2 = x.reshape(math.prod(lead), k)
+  if prepared is None:
+    return _partials(st, x2, w).reshape(chunks, *lead, n)
+  want = (chunks, k // chunks + k_pad, n)
+  if (prepared.k_pad, prepared.implementation) != (k_pad, impl) or stacked.shape != want:
+    raise ValueError(f"{op}: w is a ChunkedWeight of another plan ({stacked.shape[0]} chunks "
+                     f"of {stacked.shape[1]} rows, {prepared.implementation!r}) than this "
+                     f"call's ({chunks} chunks of {want[1]} rows, {impl!r}); make it with "
+                     f"chunk_weight(w, chunks={chunks}, implementation={implementation!r})")
+  return _prepared_partials(st, x2, stacked).reshape(chunks, *lead, n)

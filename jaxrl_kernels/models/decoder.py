@@ -64,7 +64,13 @@ from jax import lax
 from jaxrl_kernels import _backend, contract
 from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.attention import causal_attention
-from jaxrl_kernels.gemm import det_matmul, row_parallel_matmul, row_parallel_partials
+from jaxrl_kernels.gemm import (
+  ChunkedWeight,
+  chunk_weight,
+  det_matmul,
+  row_parallel_matmul,
+  row_parallel_partials,
+)
 from jaxrl_kernels.models.config import DecoderConfig
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
@@ -217,18 +223,32 @@ class RowParallelLinear(nnx.Module):
     return row_parallel_matmul(x, kernel, bias, axis_name=self.axis_name, chunks=self.chunks,
                                merge=self.merge, implementation=self.implementation)
 
-  def partials(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None] | None:
+  def _gives_partials(self) -> bool:
+    return not (self.axis_name is not None or self.chunks == 1 or self.implementation == "xla")
+
+  def partials(self, x: jax.Array, kernel: ChunkedWeight | None = None
+               ) -> tuple[jax.Array, jax.Array | None] | None:
     """``(P, bias)``: the float32 chunk partials ``P [chunks, ..., out]`` of this layer's
     product (:func:`row_parallel_partials`), for a consumer that finishes them
     (``RMSNorm.add``); None where the layer does not run the unsharded canonical chunks
-    (inside ``shard_map``, ``chunks=1``, the stock path): call the layer instead."""
-    if self.axis_name is not None or self.chunks == 1 or self.implementation == "xla":
+    (inside ``shard_map``, ``chunks=1``, the stock path): call the layer instead.
+    ``kernel``: this layer's :meth:`chunked_kernel`, made once outside a decode loop (the
+    same bits, forward only)."""
+    if not self._gives_partials():
       return None
     dtype = self.dtype
     bias = None if self.bias is None else self.bias[...].astype(dtype)
-    return (row_parallel_partials(x.astype(dtype), self.kernel[...].astype(dtype),
-                                  chunks=self.chunks, implementation=self.implementation),
-            bias)
+    w = self.kernel[...].astype(dtype) if kernel is None else kernel
+    return (row_parallel_partials(x.astype(dtype), w, chunks=self.chunks,
+                                  implementation=self.implementation), bias)
+
+  def chunked_kernel(self) -> ChunkedWeight | None:
+    """The kernel in :meth:`partials`' chunk layout (``gemm.chunk_weight``), or None where
+    :meth:`partials` is None."""
+    if not self._gives_partials():
+      return None
+    return chunk_weight(self.kernel[...].astype(self.dtype), chunks=self.chunks,
+                        implementation=self.implementation)
 
 
 def _row_linear(din, dout, axes, *, bias, dtype, param_dtype, chunks, implementation, rngs):
@@ -373,7 +393,11 @@ class DecoderLayer(nnx.Module):
                                                 docs=docs))
     return self._rest(x, attn), k, v
 
-  def decode(self, x, cache_k, cache_v, lengths, pending=None):
+  def decode_weights(self) -> tuple[ChunkedWeight | None, ChunkedWeight | None]:
+    """``o_proj`` and ``down_proj`` kernels in their chunk layout, for :meth:`decode`."""
+    return self.self_attn.o_proj.chunked_kernel(), self.mlp.down_proj.chunked_kernel()
+
+  def decode(self, x, cache_k, cache_v, lengths, pending=None, weights=None):
     """One token per row ``x [B, 1, H]`` at position ``lengths[b]``: writes its ``k, v``
     into the cache and attends to slots ``0..lengths[b]``.
 
@@ -382,7 +406,9 @@ class DecoderLayer(nnx.Module):
     the previous layer's ``down_proj`` partials (``RowParallelLinear.partials``) not yet
     added to ``x``, or None. Returns ``(x, pending, cache_k, cache_v)``: this layer's
     ``down_proj`` partials are left pending for the next norm (None when the layer cannot
-    give partials: then ``x`` is complete)."""
+    give partials: then ``x`` is complete). ``weights``: :meth:`decode_weights`, made once
+    before a decode loop (the same bits)."""
+    o_w, down_w = (None, None) if weights is None else weights
     if pending is None:
       h = self.input_layernorm(x)
     else:
@@ -395,14 +421,14 @@ class DecoderLayer(nnx.Module):
                                  kv_lengths=lengths + 1)
     b, t = attn.shape[:2]
     attn = attn.reshape(b, t, -1)
-    parts = self.self_attn.o_proj.partials(attn)
+    parts = self.self_attn.o_proj.partials(attn, o_w)
     if parts is None:
       x = x + self.self_attn.o_proj(attn)
       h = self.post_attention_layernorm(x)
     else:
       x, h = self.post_attention_layernorm.add(x, *parts)
     act = self.mlp.hidden(h)
-    parts = self.mlp.down_proj.partials(act)
+    parts = self.mlp.down_proj.partials(act, down_w)
     if parts is None:
       return x + self.mlp.down_proj(act), None, cache_k, cache_v
     return x, parts, cache_k, cache_v
@@ -598,11 +624,23 @@ class DecoderLM(nnx.Module):
     h = self.norm(x)[jnp.arange(b), lengths - 1]
     return h, KVCache(tuple(keys), tuple(values), lengths)
 
-  def decode_step(self, token: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+  def decode_weights(self) -> tuple | None:
+    """Each layer's ``o_proj`` / ``down_proj`` kernels in their chunk layout, for
+    ``decode_step(..., weights=)``: made once before a decode loop, they keep a chunk
+    layout's copy (a padded chunk, ``gemm.chunk_weight``) out of every step. None where no
+    layer has such kernels."""
+    weights = tuple(layer.decode_weights() if isinstance(layer, DecoderLayer) else None
+                    for layer in self.layers)
+    return weights if any(w is not None and any(x is not None for x in w)
+                          for w in weights) else None
+
+  def decode_step(self, token: jax.Array, cache: KVCache, weights: tuple | None = None
+                  ) -> tuple[jax.Array, KVCache]:
     """Appends ``token [B]`` at position ``cache.lengths[b]`` of each row.
 
     Returns ``(hidden [B, H], cache)`` with ``lengths + 1``; a row whose cache is
-    full writes nothing, keeps its length and gets a NaN hidden state.
+    full writes nothing, keeps its length and gets a NaN hidden state. ``weights``:
+    :meth:`decode_weights` of this model (the same bits, forward only).
     """
     token = jnp.asarray(token)
     b = cache.lengths.shape[0]
@@ -613,8 +651,13 @@ class DecoderLM(nnx.Module):
     x = self.embed_tokens(token[:, None])
     keys, values = [], []
     pending = None  # a layer's down_proj partials, added by the next norm
-    for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
-      x, pending, ck, cv = layer.decode(x, ck, cv, lengths, pending)
+    if weights is None:
+      weights = (None,) * len(self.layers)
+    elif len(weights) != len(self.layers):
+      raise ValueError(f"DecoderLM.decode_step: weights must be this model's decode_weights() "
+                       f"({len(self.layers)} layers), got {len(weights)} entries")
+    for layer, ck, cv, w in zip(self.layers, cache.keys, cache.values, weights, strict=True):
+      x, pending, ck, cv = layer.decode(x, ck, cv, lengths, pending, w)
       keys.append(ck)
       values.append(cv)
     h = (self.norm(x) if pending is None else self.norm.add(x, *pending)[1])[:, 0]

@@ -211,8 +211,9 @@ class _FsdpLayer(nnx.Module):
   def __call__(self, x, positions, docs):
     return _gathered(self.layer, self.plan)(x, positions, docs)
 
-  def decode(self, x, cache_k, cache_v, lengths, pending=None):
-    return _gathered(self.layer, self.plan).decode(x, cache_k, cache_v, lengths, pending)
+  def decode(self, x, cache_k, cache_v, lengths, pending=None, weights=None):
+    return _gathered(self.layer, self.plan).decode(x, cache_k, cache_v, lengths, pending,
+                                                   weights)
 
 
 class _VocabParallelEmbed:

@@ -48,7 +48,8 @@ class CausalLM(Protocol):
       float32 ``[B, T]`` log-probs through ``head``.
     init_cache(batch, max_len) -> KVCache; prefill(tokens, lengths, cache) ->
       (hidden ``[B, H]``, cache); decode_step(token, cache) -> (hidden ``[B, H]``, cache),
-      with decode == prefill bitwise.
+      with decode == prefill bitwise. Optionally ``decode_weights()``: weights made once
+      before the decode loop, then passed as ``decode_step(token, cache, weights=...)``.
   """
 
   head: LMHead | object
@@ -207,10 +208,15 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
     logp = logp.at[rows[None, :], at].set(jnp.where(live, lp, 0.0))
     return tokens, mask, logp, done
 
+  # Weights in the layout a decode step multiplies, made once here rather than in every
+  # step (models that have them: DecoderLM's padded row-parallel chunks).
+  weights = model.decode_weights() if hasattr(model, "decode_weights") else None
+
   def decode(j, carry):
     i0, h, cache, state, buf = carry
     tok, state, buf = emit(h, state, buf, i0 + j, j)
-    h, cache = model.decode_step(tok, cache)
+    h, cache = (model.decode_step(tok, cache) if weights is None
+                else model.decode_step(tok, cache, weights=weights))
     return i0, h, cache, state, buf
 
   def chunk_cond(carry):

@@ -43,13 +43,23 @@ def _inputs(dtype, *, m=M, k=K, n=N, seed=0):
 _op = jax.jit(row_parallel_matmul, static_argnames=("chunks", "merge", "implementation"))
 
 
-@functools.partial(jax.jit, static_argnames=("chunks", "implementation"))
+def _padded(a, axis, k_pad):
+  """``a`` with ``k_pad`` zeros appended along ``axis``."""
+  if not k_pad:
+    return a
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, k_pad)
+  return jnp.pad(a, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("chunks", "implementation", "k_pad"))
 def _canonical_by_definition(x, w, bias, chunks=contract.ROW_PARALLEL_CHUNKS,
-                             implementation=None):
-  """The contract written out: det_matmul per K chunk in float32, adjacent-pair tree,
-  float32 bias, one rounding."""
+                             implementation=None, k_pad=0):
+  """The contract written out: det_matmul per K chunk in float32 (each chunk and its weight
+  rows followed by ``k_pad`` zeros), adjacent-pair tree, float32 bias, one rounding."""
   kc = x.shape[-1] // chunks
-  parts = [det_matmul(x[..., c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
+  parts = [det_matmul(_padded(x[..., c * kc:(c + 1) * kc], -1, k_pad),
+                      _padded(w[c * kc:(c + 1) * kc], 0, k_pad),
                       out_dtype=jnp.float32, implementation=implementation)
            for c in range(chunks)]
   while len(parts) > 1:
@@ -107,6 +117,69 @@ def test_stacked_chunk_products_are_the_per_chunk_calls():
   c64, x64 = np.asarray(cot, np.float64), np.asarray(x, np.float64)
   assert rel_err(dw, x64.T @ c64) <= TOL["float32"][1]
   assert rel_err(db, c64.sum(0)) <= TOL["float32"][1]
+
+
+@pytest.mark.parametrize("impl", ["cpu", "interpret"])
+def test_zero_padded_chunks_give_the_same_bits(impl, monkeypatch):
+  """The layout a chunk K off the K tile runs on Mosaic (``_chunk_plan``): each chunk and its
+  weight rows followed by zeros. Forced here for every chunk (16 zeros) on the CPU kernels:
+  the forward, the stacked partials, dx, dw and dbias are the unpadded op's bits, unsharded
+  and at TP = 2; the padded chunks' products are really run (the jit key holds the pad)."""
+  x, w, b = _inputs("bfloat16", m=6, k=128, n=16)
+  cot = jax.random.normal(jax.random.key(3), (6, 16)).astype(jnp.bfloat16)
+
+  def everything():
+    out = jax.jit(functools.partial(row_parallel_matmul, implementation=impl))(x, w, b)
+    parts = jax.jit(functools.partial(jk.gemm.row_parallel_partials,
+                                      implementation=impl))(x, w)
+    grads = jax.jit(jax.grad(
+        lambda *a: jnp.sum(row_parallel_matmul(*a, implementation=impl).astype(jnp.float32)
+                           * cot.astype(jnp.float32)), argnums=(0, 1, 2)))(x, w, b)
+    pgrads = jax.jit(jax.grad(
+        lambda x, w: jnp.sum(jk.gemm.row_parallel_partials(x, w, implementation=impl)[3]
+                             * cot.astype(jnp.float32)), argnums=(0, 1)))(x, w)
+    tp2 = jax.jit(_sharded(2, implementation=impl))(x, w, b)
+    cw = jk.gemm.chunk_weight(w, implementation=impl)
+    prepared = jax.jit(functools.partial(jk.gemm.row_parallel_partials,
+                                         implementation=impl))(x, cw)
+    return (out, parts, *grads, *pgrads, tp2, prepared)
+
+  plain = everything()
+  plan = row_parallel_module._chunk_plan
+  seen = []
+
+  def padded_plan(implementation, dtype, n, k_chunk):
+    seen.append(k_chunk)
+    return plan(implementation, dtype, n, k_chunk)[0], 16
+
+  monkeypatch.setattr(row_parallel_module, "_chunk_plan", padded_plan)
+  padded = everything()
+  assert seen, "the padded plan was not used"
+  names = ("out", "partials", "dx", "dw", "dbias", "partials dx", "partials dw", "TP=2",
+           "ChunkedWeight partials")
+  for name, got, ref in zip(names, padded, plain, strict=True):
+    assert got.shape == ref.shape, name
+    assert_bitwise_equal(got, ref, f"{impl} padded {name}")
+  # Not vacuous: the padded forward's chunk products are different calls of the kernel.
+  assert_bitwise_equal(padded[0], _canonical_by_definition(x, w, b, implementation=impl,
+                                                           k_pad=16), "written out")
+
+
+def test_chunked_weight_is_checked_and_forward_only():
+  x, w, _ = _inputs("float32", m=4, k=128, n=16)
+  cw = jk.gemm.chunk_weight(w)
+  assert cw.stacked.shape == (contract.ROW_PARALLEL_CHUNKS, 128 // contract.ROW_PARALLEL_CHUNKS,
+                              16)
+  assert_bitwise_equal(jk.gemm.row_parallel_partials(x, cw),
+                       jk.gemm.row_parallel_partials(x, w), "ChunkedWeight")
+  with pytest.raises(ValueError, match="another plan"):
+    jk.gemm.row_parallel_partials(x, cw, chunks=4)
+  with pytest.raises(ValueError, match=r"got \(4, 64\) and \(128, 16\)"):
+    jk.gemm.row_parallel_partials(x[:, :64], cw)
+  with pytest.raises(TypeError, match="forward-only"):
+    jax.grad(lambda w: jnp.sum(jk.gemm.row_parallel_partials(x, jk.gemm.chunk_weight(w))))(w)
+  with pytest.raises(ValueError, match="chunks=8"):
+    jk.gemm.chunk_weight(w[:100])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -241,10 +314,21 @@ def _gpu_impls():
   return [None, "triton"] + (["mosaic", "cuda"] if is_hopper() else [])
 
 
-# (896, 896): qwen2.5-0.5b's o_proj, K/C = 112 is no Mosaic K (None falls back to Triton).
+# (896, 896) and (4864, 896): qwen2.5-0.5b's o_proj and down_proj, K/C = 112 and 608 off
+# the K tile: on Hopper None and "mosaic" run Mosaic on chunks zero-padded to 128 and 640.
 _GPU_CASES = [(impl, k, n) for impl in _gpu_impls()
-              for k, n in ((4096, 2048), (14336, 4096), (896, 896))
-              if impl in (None, "triton") or k % (64 * contract.ROW_PARALLEL_CHUNKS) == 0]
+              for k, n in ((4096, 2048), (14336, 4096), (896, 896), (4864, 896))
+              if impl != "cuda" or k % (64 * contract.ROW_PARALLEL_CHUNKS) == 0]
+
+
+def _expected_plan(impl, k):
+  """``(implementation, k_pad)`` the chunk products of ``_GPU_CASES`` must run."""
+  from jaxrl_kernels._backend import is_hopper
+  kc = k // contract.ROW_PARALLEL_CHUNKS
+  pad = -kc % 64
+  if impl in (None, "mosaic") and is_hopper():
+    return "mosaic", pad
+  return impl or "triton", 0
 
 
 @pytest.mark.gpu
@@ -252,17 +336,25 @@ _GPU_CASES = [(impl, k, n) for impl in _gpu_impls()
 def test_gpu_kernels_follow_the_contract(impl, k, n):
   """Each GPU implementation (one vmapped launch for Triton and CUTLASS, one grouped launch
   for the Mosaic forward, one launch per chunk for the Mosaic backward) gives each chunk
-  the bits of det_matmul on that chunk alone: the forward, dx, and rows at M = 1, 64, 1000."""
+  the bits of det_matmul on that chunk alone: the forward (primal and differentiated), dx,
+  and rows at M = 1, 64, 1000."""
+  kc = k // contract.ROW_PARALLEL_CHUNKS
+  run, pad = _expected_plan(impl, k)
+  assert row_parallel_module._chunk_plan(impl, jnp.bfloat16, n, kc) == (run, pad)
   x, w, b = _inputs("bfloat16", m=1000, k=k, n=n)
   full = np.asarray(_op(x, w, b, implementation=impl))
-  assert_bitwise_equal(full, _canonical_by_definition(x, w, b, implementation=impl), f"{impl}")
+  assert_bitwise_equal(full, _canonical_by_definition(x, w, b, implementation=run, k_pad=pad),
+                       f"{impl}")
   for m in (1, 64):
     assert_bitwise_equal(_op(x[:m], w, b, implementation=impl), full[:m], f"{impl} M={m}")
   cot = jax.random.normal(jax.random.key(1), (1000, n)).astype(jnp.bfloat16)
-  _, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, implementation=impl), x)
-  kc = k // contract.ROW_PARALLEL_CHUNKS
+  trained, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, b, implementation=impl), x)
+  # A differentiated call runs a padded plan's chunks unpadded on Triton, forward and
+  # backward: its forward is the primal's bits.
+  assert_bitwise_equal(trained, full, f"{impl} forward under differentiation")
+  bwd = "triton" if pad else run
   dx_ref = jax.jit(lambda: jnp.concatenate(
-      [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=impl)
+      [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=bwd)
        for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
   assert_bitwise_equal(vjp(cot)[0], dx_ref, f"{impl} dx")
   assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]

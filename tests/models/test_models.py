@@ -15,6 +15,7 @@ from flax import nnx
 from helpers import assert_bitwise_equal
 
 from jaxrl_kernels import models
+from jaxrl_kernels.gemm import row_parallel as row_parallel_module
 from jaxrl_kernels.nn.norm import tree_sum
 from jaxrl_kernels.nn.sampler import sample, score
 
@@ -486,6 +487,30 @@ def test_decode_equals_prefill_bitwise(llama):
   for t in range(3, 8):
     h, cache = _decode(llama, seq[:, t], cache)
     assert_bitwise_equal(np.asarray(h), full[:, t], f"decode step {t}")
+
+
+@pytest.mark.parametrize("k_pad", [0, 16])
+def test_decode_with_prepared_weights_keeps_the_bits(llama, k_pad, monkeypatch):
+  """The sampler's decode loop form, ``decode_step(..., weights=decode_weights())`` with the
+  weights made once outside the steps: bitwise the full forward, as the plain step is.
+  ``k_pad=16``: every row-parallel chunk zero-padded (the layout of a chunk K off the K tile
+  on Mosaic, forced here on the CPU kernel, forward and decode alike)."""
+  if k_pad:
+    plan = row_parallel_module._chunk_plan
+    monkeypatch.setattr(row_parallel_module, "_chunk_plan", lambda *a: (plan(*a)[0], k_pad))
+  weights = nnx.jit(lambda m: m.decode_weights())(llama)
+  assert weights is not None and len(weights) == len(llama.layers)
+  assert all(w.k_pad == k_pad for pair in weights for w in pair)
+  seq = np.random.default_rng(5).integers(0, V, (2, 8)).astype(np.int32)
+  full = np.asarray(nnx.jit(lambda m, t: m(t))(llama, seq))
+  h, cache = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))(
+      llama, seq[:, :3], np.array([3, 3], np.int32), llama.init_cache(2, 8))
+  step = nnx.jit(lambda m, t, c, w: m.decode_step(t, c, weights=w))
+  for t in range(3, 8):
+    h, cache = step(llama, seq[:, t], cache, weights)
+    assert_bitwise_equal(np.asarray(h), full[:, t], f"decode step {t}, k_pad {k_pad}")
+  with pytest.raises(ValueError, match="decode_weights"):
+    llama.decode_step(seq[:, 0], cache, weights=weights[:1])
 
 
 def test_logp_batch_and_packing_invariant_bitwise(llama):
