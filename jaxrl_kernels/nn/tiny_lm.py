@@ -171,13 +171,11 @@ class Documents(NamedTuple):
   bad: jax.Array
 
   def gather(self, x: jax.Array) -> jax.Array:
-    """``[B, T, ...]`` -> ``[N, T, ...]``, document ``n`` left-aligned in row ``n``, zeros after."""
-    t = x.shape[1]
-    j = jnp.arange(t)
-    cols = jnp.clip(self.col0[:, None] + j, 0, t - 1)
-    y = x[self.row[:, None], cols]
-    keep = (j < self.length[:, None]).reshape(*cols.shape, *(1,) * (x.ndim - 2))
-    return jnp.where(keep, y, jnp.zeros((), x.dtype))
+    """``[B, T, ...]`` -> ``[N, T, ...]``, document ``n`` left-aligned in row ``n``, zeros after.
+
+    Its gradient is the inverse gather (each token reads its slot's cotangent), not the
+    scatter-add that autodiff of a gather would run: a token is in at most one slot."""
+    return _doc_gather(x, self)
 
   def query_positions(self, t: int) -> jax.Array:
     """``[N, T]`` int32 positions of the aligned rows' queries: slot ``j`` of document ``n``
@@ -190,11 +188,85 @@ class Documents(NamedTuple):
 
   def scatter(self, y: jax.Array) -> jax.Array:
     """``[N, T, ...]`` -> ``[B, T, ...]``: each token reads its document's slot; padding
-    tokens get 0, tokens of ``bad`` documents NaN."""
-    out = y[self.doc, self.slot]
-    shape = (*self.doc.shape, *(1,) * (y.ndim - 2))
-    out = jnp.where(self.live.reshape(shape), out, jnp.zeros((), y.dtype))
-    return jnp.where(self.bad.reshape(shape), jnp.full((), jnp.nan, y.dtype), out)
+    tokens get 0, tokens of ``bad`` documents NaN.
+
+    Its gradient is a gather too (each live token's slot reads that token's cotangent)."""
+    return _doc_scatter(y, self)
+
+
+def _expand(mask: jax.Array, ndim: int) -> jax.Array:
+  return mask.reshape(*mask.shape, *(1,) * (ndim - mask.ndim))
+
+
+def _slots_of(docs: Documents, x: jax.Array) -> jax.Array:
+  """``[N, T, ...]``: slot ``j`` of document ``n`` reads token ``(row[n], col0[n] + j)`` for
+  ``j < length[n]``, zeros after (every document the layout names, live or not)."""
+  t = x.shape[1]
+  j = jnp.arange(t)
+  cols = jnp.clip(docs.col0[:, None] + j, 0, t - 1)
+  keep = _expand(j < docs.length[:, None], x.ndim)
+  return jnp.where(keep, x[docs.row[:, None], cols], jnp.zeros((), x.dtype))
+
+
+def _tokens_of(docs: Documents, y: jax.Array, member: jax.Array) -> jax.Array:
+  """``[B, T, ...]``: token ``(b, t)`` reads slot ``t - col0[doc]`` of its document where
+  ``member``, zeros elsewhere."""
+  t = y.shape[1]
+  rel = jnp.clip(jnp.arange(t)[None, :] - docs.col0[docs.doc], 0, t - 1)
+  return jnp.where(_expand(member, y.ndim), y[docs.doc, rel], jnp.zeros((), y.dtype))
+
+
+def _in_slot(docs: Documents, t: int) -> jax.Array:
+  """``[B, T]``: the token is slot ``t - col0[doc]`` of document ``doc`` (the slots
+  :func:`_slots_of` fills): its row, and ``0 <= t - col0 < length``."""
+  b = docs.doc.shape[0]
+  rel = jnp.arange(t)[None, :] - docs.col0[docs.doc]
+  return ((docs.live | docs.bad) & (docs.row[docs.doc] == jnp.arange(b)[:, None])
+          & (rel >= 0) & (rel < docs.length[docs.doc]))
+
+
+# Each token is in at most one slot and each slot holds at most one token, so the
+# transpose of either data movement is the other direction's gather, where autodiff of a
+# gather runs a scatter-add (slower on a GPU; tests/nn/test_documents.py checks the values
+# against it). The integer document arrays get no cotangent (None).
+@jax.custom_vjp
+def _doc_gather(x, docs):
+  return _slots_of(docs, x)
+
+
+def _doc_gather_fwd(x, docs):
+  return _slots_of(docs, x), docs
+
+
+def _doc_gather_bwd(docs, dy):
+  return _tokens_of(docs, dy, _in_slot(docs, dy.shape[1])), None
+
+
+_doc_gather.defvjp(_doc_gather_fwd, _doc_gather_bwd)
+
+
+@jax.custom_vjp
+def _doc_scatter(y, docs):
+  out = jnp.where(_expand(docs.live, y.ndim), y[docs.doc, docs.slot], jnp.zeros((), y.dtype))
+  return jnp.where(_expand(docs.bad, y.ndim), jnp.full((), jnp.nan, y.dtype), out)
+
+
+def _doc_scatter_fwd(y, docs):
+  return _doc_scatter(y, docs), docs
+
+
+def _doc_scatter_bwd(docs, dout):
+  # Slot j of document n holds token (row[n], col0[n] + j) where that token is live.
+  t = dout.shape[1]
+  j = jnp.arange(t)
+  cols = jnp.clip(docs.col0[:, None] + j, 0, t - 1)
+  live = docs.live[docs.row[:, None], cols] & (j < docs.length[:, None])
+  dy = jnp.where(_expand(live, dout.ndim), dout[docs.row[:, None], cols],
+                 jnp.zeros((), dout.dtype))
+  return dy, None
+
+
+_doc_scatter.defvjp(_doc_scatter_fwd, _doc_scatter_bwd)
 
 
 def documents(positions: jax.Array, segment_ids: jax.Array, max_docs: int, *,
