@@ -257,13 +257,8 @@ def _doc_scatter_fwd(y, docs):
 
 def _doc_scatter_bwd(docs, dout):
   # Slot j of document n holds token (row[n], col0[n] + j) where that token is live.
-  t = dout.shape[1]
-  j = jnp.arange(t)
-  cols = jnp.clip(docs.col0[:, None] + j, 0, t - 1)
-  live = docs.live[docs.row[:, None], cols] & (j < docs.length[:, None])
-  dy = jnp.where(_expand(live, dout.ndim), dout[docs.row[:, None], cols],
-                 jnp.zeros((), dout.dtype))
-  return dy, None
+  live = jnp.where(_expand(docs.live, dout.ndim), dout, jnp.zeros((), dout.dtype))
+  return _slots_of(docs, live), None
 
 
 _doc_scatter.defvjp(_doc_scatter_fwd, _doc_scatter_bwd)
