@@ -307,6 +307,31 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
                    mask=store_ok)
 
 
+def delta_rows(out, d_out):
+  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term."""
+  return jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)
+
+
+def backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
+                interpret: bool, config: BackwardConfig | None = None):
+  """``dq`` (q's dtype) from ``d_out`` (q's dtype), the forward's ``lse`` and
+  :func:`delta_rows`: ``dQ = scale dS K``."""
+  cfg = config or BackwardConfig()
+  bsz, tq, hq, d = q.shape
+  s_len, hkv = k.shape[1], k.shape[2]
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, hq=hq, block_q=cfg.dq_block_q, block_k=cfg.dq_block_k,
+                        tq=tq, s_len=s_len, d=d, group=hq // hkv, scale=scale,
+                        precision=dot_precision(q.dtype, interpret)),
+      grid=(cdiv(tq, cfg.dq_block_q), bsz * hq),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=interpret,
+      name="causal_attention_dq",
+      **triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
+  )(q, k, v, q_positions, kv_lengths, d_out, lse, delta)
+
+
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
              interpret: bool, config: BackwardConfig | None = None):
   """``(dq, dk, dv)`` in the input dtypes, from the forward's ``out`` and ``lse``.
@@ -319,21 +344,12 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   s_len, hkv = k.shape[1], k.shape[2]
   group = hq // hkv
   d_out = d_out.astype(q.dtype)
-  delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
+  delta = delta_rows(out, d_out)
+  dq = backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
+                   interpret=interpret, config=cfg)
   common = dict(tq=tq, s_len=s_len, d=d, group=group, scale=scale,
                 precision=dot_precision(q.dtype, interpret))
   args = (q, k, v, q_positions, kv_lengths, d_out, lse, delta)
-  params = triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, hq=hq, block_q=cfg.dq_block_q, block_k=cfg.dq_block_k,
-                        **common),
-      grid=(cdiv(tq, cfg.dq_block_q), bsz * hq),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      interpret=interpret,
-      name="causal_attention_dq",
-      **params,
-  )(*args)
   split_blocks = cfg.dkv_split_rows // cfg.dkv_block_q
   n_split = cdiv(group * cdiv(tq, cfg.dkv_block_q), split_blocks)
   if n_split == 1:
@@ -347,7 +363,7 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
       out_shape=out_shape,
       interpret=interpret,
       name="causal_attention_dkv",
-      **params,
+      **triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
   )(*args)
   if n_split > 1:
     # The ranges' partials in range order: one fixed chain of float32 adds per element.

@@ -6,6 +6,8 @@ tests/attention/test_attention_cpu.py."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +254,23 @@ def test_bad_dtypes():
     causal_attention(q, q.astype(jnp.float32), q, implementation=IMPL)
   with pytest.raises(TypeError, match="must be one of"):
     causal_attention(q.astype(jnp.int32), q, q, implementation=IMPL)
+
+
+@pytest.mark.parametrize("b,tq,s_len,d", [(2, 1000, 1000, 64), (1, 300, 77, 128)])
+def test_mosaic_dkv_kernel_lowers_for_cuda(b, tq, s_len, d):
+  """The Mosaic dK/dV kernel lowers to a CUDA module on any machine (Mosaic builds its TMA
+  descriptors and register layouts while lowering, so a layout it rejects fails here);
+  its gradients are tested on a Hopper GPU (test_attention_mosaic_gpu.py)."""
+  from jaxrl_kernels.pallas import attention_mosaic_bwd
+  bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, tq, 2, d), bf16), sd((b, s_len, 2, d), bf16), sd((b, s_len, 2, d), bf16),
+          sd((b, tq), i32), sd((b,), i32), sd((b, tq, 2, d), bf16), sd((b, 2, tq), f32),
+          sd((b, 2, tq), f32))
+  fn = jax.jit(functools.partial(attention_mosaic_bwd.dkv, scale=d ** -0.5, split_rows=256))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert [a.shape for a in exported.out_avals] == [(b, s_len, 2, d)] * 2
+  assert "mosaic_gpu" in exported.mlir_module()
+  with pytest.raises(ValueError, match="not the folded layout"):
+    attention_mosaic_bwd.dkv(*(jnp.zeros(a.shape, a.dtype) for a in
+                               (sd((b, tq, 4, d), bf16), *args[1:])), scale=1.0)

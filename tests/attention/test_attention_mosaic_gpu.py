@@ -2,7 +2,9 @@
 prove.
 
 Forward accuracy against float64 at shapes that are not multiples of its tiles, its
-logsumexp residual driving the Triton backward (gradients within tolerance), and its place
+logsumexp residual driving the backward (Mosaic dK/dV, Triton dQ; gradients within
+tolerance), the dK/dV kernel's walks (ranges, packed positions, NaN in padding rows, run to
+run), and its place
 in the dispatch table (the Hopper default for bf16/fp16 at head dims 64 and 128, Triton
 otherwise, clear errors). Every invariance (decode = prefill up to T = 4096, padding,
 packing and NaN garbage, batch, chunking, mode, run to run) is tests/test_contract.py.
@@ -21,7 +23,7 @@ from helpers import attention_inputs as inputs
 
 from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.attention.reference import attention_reference as reference64
-from jaxrl_kernels.pallas import attention_mosaic
+from jaxrl_kernels.pallas import attention_mosaic, attention_mosaic_bwd, attention_triton
 
 pytestmark = pytest.mark.hopper
 IMPL = "mosaic"
@@ -50,13 +52,13 @@ def test_forward_accuracy(dtype, d, hkv, t):
 
 
 def test_lse_matches_triton_and_gradients():
-  """The Mosaic forward's residuals drive the Triton backward: gradients within tolerance."""
+  """The Mosaic forward's residuals drive the backward (Mosaic dK/dV, Triton dQ): gradients
+  within tolerance."""
   q, k, v = inputs(1, 2, 300, HQ, 2, D, jnp.bfloat16, spread=2)
   pos = arange_pos(2, 300)
   kvl = jnp.array([300, 211], jnp.int32)
   args = (q, k, v, pos, kvl)
   _, lse_m = attention_mosaic.forward(*args, scale=D ** -0.5)
-  from jaxrl_kernels.pallas import attention_triton
   _, lse_t = attention_triton.forward(*args, scale=D ** -0.5, interpret=False)
   assert lse_m.shape == lse_t.shape == (2, HQ, 300)
   np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-4, atol=1e-3)
@@ -80,3 +82,61 @@ def test_default_and_routing():
     attn(q, k, v, impl="mosaic")
   with pytest.raises(TypeError, match="mosaic"):
     attn(*(x.astype(jnp.float32) for x in (q, k, v)), impl="mosaic")
+
+
+def _dkv_inputs(seed, b, t, h, d, pos, kvl):
+  """Folded-layout inputs of the dK/dV kernel and the float64 reference's dk, dv."""
+  q, k, v = inputs(seed, b, t, h, h, d, jnp.bfloat16, spread=2)
+  d_out = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.bfloat16)
+  scale = d ** -0.5
+  out, lse = attention_mosaic.forward(q, k, v, pos, kvl, scale=scale)
+  delta = attention_triton.delta_rows(out, d_out)
+  _, (_, dk_ref, dv_ref) = reference64(q, k, v, pos, kvl, scale, d_out)
+  return (q, k, v, pos, kvl, d_out, lse, delta), scale, (dk_ref, dv_ref)
+
+
+@pytest.mark.parametrize("d,t", [(64, 777), (128, 300)])
+def test_dkv_kernel_matches_float64_for_every_range_split(d, t):
+  """dK/dV within the gradient tolerance of float64 (T off the tiles, a shorter kv_len),
+  for one range of query rows per key CTA and for ranges of 64 and 192 rows (partials
+  summed in range order); each split run to run bitwise, and the splits agree to
+  float32 rounding."""
+  pos = arange_pos(2, t)
+  kvl = jnp.array([t, t - 123], jnp.int32)
+  args, scale, refs = _dkv_inputs(3, 2, t, 2, d, pos, kvl)
+  results = {}
+  for split in (4096, 64, 192):
+    f = jax.jit(lambda *a, split=split: attention_mosaic_bwd.dkv(*a, scale=scale,
+                                                                  split_rows=split))
+    got = f(*args)
+    assert_bitwise_equal(got[0], f(*args)[0], f"dk run to run, split {split}")
+    for name, g, r in zip(("dk", "dv"), got, refs, strict=True):
+      assert np.all(np.isfinite(np.asarray(g, np.float32))), (name, split)
+      assert rel_err(g, r) <= TOL["bfloat16"][1], (name, split)
+    results[split] = got
+  for name, a, c in zip(("dk", "dv"), results[4096], results[64], strict=True):
+    assert rel_err(a, c) <= 1e-2, name
+
+
+def test_dkv_kernel_packed_positions_and_nan_padding():
+  """Positions that restart mid-row (queries 300-549 at positions 0-249 see keys 0-249
+  again; non-monotone), then padding at -1: the walk starts at the first block reaching a
+  CTA's keys and then meets blocks that see none of them (exact zeros). NaN in the padding
+  rows' q and dO changes no bit."""
+  t = 700
+  row = np.concatenate([np.arange(300), np.arange(250), np.full(150, -1)]).astype(np.int32)
+  pos = jnp.asarray(np.stack([row, np.arange(t, dtype=np.int32)]))
+  kvl = jnp.array([300, t], jnp.int32)
+  args, scale, refs = _dkv_inputs(5, 2, t, 2, 64, pos, kvl)
+  f = jax.jit(lambda *a: attention_mosaic_bwd.dkv(*a, scale=scale, split_rows=128))
+  clean = f(*args)
+  for name, g, r in zip(("dk", "dv"), clean, refs, strict=True):
+    assert rel_err(g, r) <= TOL["bfloat16"][1], name
+  pad = (pos < 0)[:, :, None, None]
+  q, d_out = args[0], args[5]
+  dirty = list(args)
+  dirty[0] = jnp.where(pad, jnp.nan, q).astype(q.dtype)
+  dirty[5] = jnp.where(pad, jnp.nan, d_out).astype(d_out.dtype)
+  got = f(*dirty)
+  for name, g, c in zip(("dk", "dv"), got, clean, strict=True):
+    assert_bitwise_equal(g, c, f"{name} with NaN padding rows")

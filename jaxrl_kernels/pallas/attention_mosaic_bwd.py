@@ -1,0 +1,270 @@
+"""The attention backward's dK/dV for Hopper in Pallas Mosaic GPU (TMA + wgmma).
+
+Semantics and residuals are those of ``attention_triton.backward`` (``lse`` the
+forward's base-2 logsumexp, ``delta = rowsum(dO * O)``); ``dq`` runs its Triton
+kernel (``attention_triton.backward_dq``). Gradients are run-to-run deterministic
+(no atomics; fixed orders), not part of the forward's invariance contract.
+
+Kernel: a CTA holds ``wgs * BLOCK_K`` keys of one (row, kv head) (``BLOCK_K = 64``
+per compute warpgroup, the wgmma M) and walks query blocks of ``BLOCK_Q = 64``
+rows in ascending order; a memory warpgroup streams each block's ``Q``, ``dO``
+tiles and ``lse``, ``delta``, ``last`` vectors into a ``STAGES``-deep ring. Per
+block, each compute warpgroup (keys on the rows, queries on the columns):
+
+    S^T = K Q^T,  P^T = 2^(scale2 S^T - lse) where key <= last (else 0),
+    dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T (dP^T - delta) where visible (else 0),
+    dK += dS^T Q
+
+with ``P^T`` and ``dS^T`` cast to the input dtype in registers as the wgmma lhs.
+The walk starts at the first query block whose largest ``last`` reaches the
+CTA's first key (computed in XLA from the int32 ``last``; blocks before it see
+none of the CTA's keys) and is cut into ranges of ``split_rows`` query rows, one
+CTA each, whose float32 partials are summed in range order outside the kernel
+(a fixed chain of adds). Blocks in the walk that see none of a warpgroup's keys
+(non-monotone positions) add exact zeros: every masked term is a select.
+
+Garbage: ``Q`` and ``dO`` rows of queries that see no key (padding; position -1)
+are zeroed before the kernel, since ``0 * NaN`` inside a wgmma would reach every
+key's ``dK``/``dV``; keys past ``kv_len`` only reach masked (selected) terms of
+their own rows, and rows past ``S`` are TMA zero-fill.
+
+Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS``, the folded layout
+``causal_attention`` passes (query heads of a group as rows: ``Hq == Hkv``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxrl_kernels.pallas import attention_mosaic, attention_triton
+from jaxrl_kernels.pallas._common import LOG2E, cdiv, round_up, smem_transforms
+
+BLOCK_K = 64  # keys per compute warpgroup (the wgmma M)
+BLOCK_Q = 64  # query rows per step
+NUM_COMPUTE_WGS = 2
+# Free knob: depth of the Q/dO ring (no bit depends on it).
+STAGES = 2
+
+
+def supported(q_shape, k_shape, dtype) -> str | None:
+  """None when the Mosaic dK/dV kernel runs these shapes, else why not."""
+  why = attention_mosaic.supported(q_shape[3], dtype)
+  if why is not None:
+    return why
+  if q_shape[2] != k_shape[2]:
+    return f"query heads {q_shape[2]} != kv heads {k_shape[2]} (not the folded layout)"
+  return None
+
+
+def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, dk_ref,
+            dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
+            scale2, wgs):
+  q_smem, do_smem, lse_smem, delta_smem, last_smem, k_smem2, v_smem2, out_smem2 = smem
+  q_loaded, do_loaded, lse_loaded, delta_loaded, last_loaded = loaded
+  k_loaded, v_loaded = kv_loaded
+  dtype = q_ref.dtype
+  b = lax.axis_index("batch")
+  hs = lax.axis_index("heads")
+  hk = lax.div(hs, jnp.int32(n_split))
+  split = lax.rem(hs, jnp.int32(n_split))
+  kc = lax.axis_index("kv_seq")
+  wg = lax.axis_index("wg")
+  # This CTA's query blocks: its range of the walk, from the first that sees its keys.
+  first = jnp.maximum(split * split_blocks, qstart_ref[b, kc])
+  n_steps = jnp.maximum(jnp.minimum((split + 1) * split_blocks, n_qb) - first, 0)
+
+  @pl.when(wg < wgs)
+  def _compute_wg():
+    plgpu.set_max_registers(232, action="increase")
+    k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
+    key0 = kc * (wgs * BLOCK_K) + wg * BLOCK_K
+    window = (b, pl.ds(key0, BLOCK_K), hk)
+    plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem, k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem, v_loaded.at[wg])
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
+    shape = (BLOCK_K, BLOCK_Q)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a [BLOCK_Q] vector along the columns
+    keys = key0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    zeros = plgpu.layout_cast(jnp.full((BLOCK_K, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def step(i, carry):
+      dk, dv = carry
+      slot = lax.rem(i, jnp.int32(STAGES))
+      plgpu.barrier_wait(q_loaded.at[slot])
+
+      def st_scope(acc_ref):
+        plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s_t = pl.run_scoped(st_scope, plgpu.ACC(shape, jnp.float32))
+      plgpu.barrier_wait(last_loaded.at[slot])
+      plgpu.barrier_wait(lse_loaded.at[slot])
+      last = plgpu.load(last_smem.at[slot], (), layout=col)
+      lse = plgpu.load(lse_smem.at[slot], (), layout=col)
+      visible = keys <= lax.broadcast_in_dim(last, shape, [1])
+      p_t = jnp.where(visible, jnp.exp2(s_t * scale2 - lax.broadcast_in_dim(lse, shape, [1])),
+                      0.0)
+      plgpu.barrier_wait(do_loaded.at[slot])
+
+      def dv_dp(refs):
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
+        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+
+      zero_t = plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+      dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zero_t)))
+      plgpu.barrier_wait(delta_loaded.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], (), layout=col)
+      ds_t = jnp.where(visible, p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1])), 0.0)
+
+      def dk_update(dk_ref):
+        plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_smem.at[slot])
+
+      dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(free.at[slot])  # the slot's five buffers are read
+      return dk, dv
+
+    # Ascending query blocks: a fixed order of float32 accumulation.
+    dk, dv = lax.fori_loop(0, n_steps, step, (zeros, zeros))
+    out = (split, b, pl.ds(key0, BLOCK_K), hk)
+    out_smem[...] = dk
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[out])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = dv
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dv_ref.at[out])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _memory_wg():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(i, slot):
+      rows = pl.ds((first + i) * BLOCK_Q, BLOCK_Q)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_smem.at[slot], q_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(last_ref.at[b, rows], last_smem.at[slot], last_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, hk, rows], lse_smem.at[slot], lse_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, hk], do_smem.at[slot], do_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, hk, rows], delta_smem.at[slot],
+                              delta_loaded.at[slot])
+
+    # Loops, not Python unrolls: block starts stay traced values.
+    @pl.loop(0, jnp.minimum(n_steps, STAGES))
+    def _(i):
+      issue(i, i)
+
+    @pl.loop(0, jnp.maximum(n_steps - STAGES, 0))
+    def _(i):
+      slot = lax.rem(i, jnp.int32(STAGES))
+      plgpu.barrier_wait(free.at[slot])
+      issue(i + STAGES, slot)
+
+
+def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
+        split_rows: int = 2048):
+  """``(dk, dv)`` in k's and v's dtypes: ``dK = scale dS^T Q``, ``dV = P^T dO``.
+
+  ``q [B, Tq, H, D]`` and ``d_out`` (q's dtype), ``k, v [B, S, H, D]`` (the folded
+  layout: as many query as kv heads), ``lse`` and ``delta`` ``[B, H, Tq]`` float32
+  (the forward's residual and :func:`attention_triton.delta_rows`). ``split_rows``: query
+  rows per CTA range (a free knob of the backward; a multiple of ``BLOCK_Q``).
+  """
+  why = supported(q.shape, k.shape, q.dtype)
+  if why is not None:
+    raise ValueError(f"causal_attention(mosaic) backward: {why}")
+  if split_rows < BLOCK_Q or split_rows % BLOCK_Q:
+    raise ValueError(f"dkv: split_rows must be a positive multiple of {BLOCK_Q}, got "
+                     f"{split_rows}")
+  bsz, tq, h, d = q.shape
+  s_len = k.shape[1]
+  wgs = NUM_COMPUTE_WGS
+  n_qb = cdiv(tq, BLOCK_Q)
+  tq_pad = n_qb * BLOCK_Q
+  kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
+  last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
+  # Rows that see no key: zeros, not whatever they hold (0 * NaN inside a wgmma).
+  sees = (last >= 0)[:, :, None, None]
+  q = jnp.where(sees, q, jnp.zeros((), q.dtype))
+  d_out = jnp.where(sees, d_out.astype(q.dtype), jnp.zeros((), q.dtype))
+  if tq_pad != tq:
+    rows = ((0, 0), (0, tq_pad - tq))
+    q = jnp.pad(q, (*rows, (0, 0), (0, 0)))
+    d_out = jnp.pad(d_out, (*rows, (0, 0), (0, 0)))
+    last = jnp.pad(last, rows, constant_values=-1)
+    lse = jnp.pad(lse, ((0, 0), *rows))
+    delta = jnp.pad(delta, ((0, 0), *rows))
+  s_pad = max(wgs * BLOCK_K, round_up(s_len, 8))
+  if s_pad != s_len:
+    # As the forward: TMA needs S a multiple of 8 rows and at least one CTA of keys.
+    pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  n_kc = cdiv(s_len, wgs * BLOCK_K)
+  # First query block whose largest `last` reaches each key CTA's first key (int32 only).
+  block_last = jnp.max(last.reshape(bsz, n_qb, BLOCK_Q), axis=2)
+  cta_key0 = jnp.arange(n_kc, dtype=jnp.int32) * (wgs * BLOCK_K)
+  reaches = block_last[:, None, :] >= cta_key0[None, :, None]  # [B, n_kc, n_qb]
+  qstart = jnp.where(jnp.any(reaches, axis=2), jnp.argmax(reaches, axis=2), n_qb)
+  split_blocks = split_rows // BLOCK_Q
+  n_split = cdiv(n_qb, split_blocks)
+
+  tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def entry(*refs):
+    scratch = (
+        plgpu.SMEM((STAGES, BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, BLOCK_Q), jnp.float32),
+        plgpu.SMEM((STAGES, BLOCK_Q), jnp.float32),
+        plgpu.SMEM((STAGES, BLOCK_Q), jnp.int32),
+        plgpu.SMEM((wgs, BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BLOCK_K, d), jnp.float32, transforms=smem_transforms(d, 4)),
+    )
+    loaded = tuple(plgpu.Barrier(num_barriers=STAGES) for _ in range(5))
+    kv_loaded = (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs))
+    free = plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES)
+    kernel = functools.partial(_kernel, n_qb=n_qb, split_blocks=split_blocks,
+                               n_split=n_split, d=d, scale2=scale * LOG2E, wgs=wgs)
+    pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), scratch, loaded, kv_loaded, free,
+                  collective_axes="wg")
+
+  part = jax.ShapeDtypeStruct((n_split, bsz, s_pad, h, d), jnp.float32)
+  dk, dv = plgpu.kernel(
+      entry,
+      out_type=(part, part),
+      grid=(h * n_split, n_kc, bsz),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="causal_attention_dkv_mosaic",
+  )(q, d_out, k, v, lse, delta, last, qstart.astype(jnp.int32))
+  # The ranges' partials in range order: one fixed chain of float32 adds per element.
+  dk, dv = (functools.reduce(jnp.add, [p[i] for i in range(n_split)])[:, :s_len]
+            for p in (dk, dv))
+  return (dk * jnp.float32(scale)).astype(k.dtype), dv.astype(v.dtype)
+
+
+def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
+             config: attention_triton.BackwardConfig | None = None):
+  """``(dq, dk, dv)``: ``dq`` by the Triton kernel, ``dk, dv`` by :func:`dkv` (the
+  Triton kernels where :func:`supported` says no)."""
+  if supported(q.shape, k.shape, q.dtype) is not None:
+    return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
+                                     scale=scale, interpret=False, config=config)
+  cfg = config or attention_triton.BackwardConfig()
+  d_out = d_out.astype(q.dtype)
+  delta = attention_triton.delta_rows(out, d_out)
+  dq = attention_triton.backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta,
+                                    scale=scale, interpret=False, config=cfg)
+  dk, dv = dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
+               split_rows=cfg.dkv_split_rows)
+  return dq, dk, dv
