@@ -3,9 +3,8 @@
 The forward is the Mosaic GPU kernel (``contract.ATTENTION_MOSAIC_BLOCK_Q``
 query rows per warpgroup, ``ATTENTION_MOSAIC_KEY_TILE`` keys per tile: its own
 bits, not the Triton kernel's). It writes the Triton forward's residual format
-(base-2 logsumexp). The backward's dK/dV is the Mosaic GPU kernel of
-``pallas/attention_mosaic_bwd.py`` and dQ the compiled Triton kernel, on that
-residual.
+(base-2 logsumexp). The backward runs the Mosaic GPU kernels of
+``pallas/attention_mosaic_bwd.py`` (dK/dV and dQ) on that residual.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""The attention backward's dK/dV for Hopper in Pallas Mosaic GPU (TMA + wgmma).
+"""The attention backward for Hopper in Pallas Mosaic GPU (TMA + wgmma): dK/dV and dQ.
 
 Semantics and residuals are those of ``attention_triton.backward`` (``lse`` the
-forward's base-2 logsumexp, ``delta = rowsum(dO * O)``); ``dq`` runs its Triton
-kernel (``attention_triton.backward_dq``). Gradients are run-to-run deterministic
-(no atomics; fixed orders), not part of the forward's invariance contract.
+forward's base-2 logsumexp, ``delta = rowsum(dO * O)``). Gradients are run-to-run
+deterministic (no atomics; fixed orders), not part of the forward's invariance
+contract. dQ (:func:`dq`): the forward's structure (query rows per compute warpgroup,
+K/V tiles streamed from key 0; see its docstring).
 
-Kernel: a CTA holds ``wgs * BLOCK_K`` keys of one (row, kv head) (``BLOCK_K = 64``
-per compute warpgroup, the wgmma M) and walks query blocks of ``BLOCK_Q = 64``
-rows in ascending order; a memory warpgroup streams each block's ``Q``, ``dO``
+dK/dV kernel (:func:`dkv`): a CTA holds ``wgs * BLOCK_K`` keys of one (row, kv
+head) (``BLOCK_K = 64`` per compute warpgroup, the wgmma M) and walks query blocks
+of ``BLOCK_Q = 64`` rows in ascending order; a memory warpgroup streams each block's ``Q``, ``dO``
 tiles and ``lse``, ``delta``, ``last`` vectors into a ``STAGES``-deep ring. Per
 block, each compute warpgroup (keys on the rows, queries on the columns):
 
@@ -168,6 +169,109 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
       issue(i + STAGES, slot)
 
 
+def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, ntiles_ref,
+               kvlen_ref, dq_ref, smem, loaded, row_loaded, free, *, d, scale, scale2, wgs):
+  q_smem2, do_smem2, lse_smem2, delta_smem2, last_smem2, k_smem, v_smem = smem
+  k_loaded, v_loaded = loaded
+  q_loaded, do_loaded, lse_loaded, delta_loaded, last_loaded = row_loaded
+  dtype = q_ref.dtype
+  b = lax.axis_index("batch")
+  hk = lax.axis_index("heads")
+  qb = lax.axis_index("q_seq")
+  wg = lax.axis_index("wg")
+  n_tiles = ntiles_ref[b, qb]  # key tiles up to the one holding the CTA's largest `last`
+  kv_len = kvlen_ref[b]
+
+  @pl.when(wg < wgs)
+  def _compute_wg():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    row0 = qb * (wgs * BLOCK_Q) + wg * BLOCK_Q
+    rows = (b, pl.ds(row0, BLOCK_Q), hk)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_loaded.at[wg])
+    vecs = (lse_ref.at[b, hk, pl.ds(row0, BLOCK_Q)], delta_ref.at[b, hk, pl.ds(row0, BLOCK_Q)],
+            last_ref.at[b, pl.ds(row0, BLOCK_Q)])
+    vec_loaded = (lse_loaded, delta_loaded, last_loaded)
+    for src, dst, bar in zip(vecs, (lse_smem2, delta_smem2, last_smem2), vec_loaded,
+                             strict=True):
+      plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
+    for bar in vec_loaded:
+      plgpu.barrier_wait(bar.at[wg])
+    row = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector along the rows
+    lse = plgpu.load(lse_smem2.at[wg], (), layout=row)
+    delta = plgpu.load(delta_smem2.at[wg], (), layout=row)
+    last = plgpu.load(last_smem2.at[wg], (), layout=row)
+    plgpu.barrier_wait(q_loaded.at[wg])
+    plgpu.barrier_wait(do_loaded.at[wg])
+    shape = (BLOCK_Q, BLOCK_K)
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    dq = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def tile(t, dq):
+      slot = lax.rem(t, jnp.int32(STAGES))
+      key0 = t * BLOCK_K
+      plgpu.barrier_wait(k_loaded.at[slot])
+
+      @pl.when(key0 + BLOCK_K > kv_len)
+      def _zero_k_tail():
+        # The tile holding kv_len: K rows at or past it may be garbage (NaN), and the
+        # dS @ K wgmma would compute 0 * NaN. Both warpgroups select them to 0 in place.
+        k_tile = k_smem.at[slot][...]
+        keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, d), 0, layout=plgpu.Layout.WGMMA)
+        k_smem.at[slot][...] = jnp.where(keys < kv_len - key0, k_tile, jnp.zeros_like(k_tile))
+        plgpu.commit_smem()
+
+      def s_scope(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(s_scope, plgpu.ACC(shape, jnp.float32))
+      visible = cols + key0 <= lax.broadcast_in_dim(last, shape, [0])
+      p = jnp.where(visible, jnp.exp2(s * scale2 - lax.broadcast_in_dim(lse, shape, [0])), 0.0)
+      plgpu.barrier_wait(v_loaded.at[slot])
+
+      def dp_scope(acc_ref):
+        plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      dp = pl.run_scoped(dp_scope, plgpu.ACC(shape, jnp.float32))
+      ds = jnp.where(visible, p * (dp - lax.broadcast_in_dim(delta, shape, [0])), 0.0)
+
+      def dq_update(dq_ref):
+        plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot])
+
+      dq = pl.run_state(dq_update)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(free.at[slot])  # K and V of the slot are read
+      return dq
+
+    # Ascending key tiles from key 0: a fixed order of float32 accumulation.
+    dq = lax.fori_loop(0, n_tiles, tile, dq)
+    q_smem[...] = (dq * jnp.float32(scale)).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _memory_wg():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(t, slot):
+      window = (b, pl.ds(t * BLOCK_K, BLOCK_K), hk)
+      plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
+
+    @pl.loop(0, jnp.minimum(n_tiles, STAGES))
+    def _(t):
+      issue(t, t)
+
+    @pl.loop(0, jnp.maximum(n_tiles - STAGES, 0))
+    def _(t):
+      slot = lax.rem(t, jnp.int32(STAGES))
+      plgpu.barrier_wait(free.at[slot])
+      issue(t + STAGES, slot)
+
+
 def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
         split_rows: int = 2048):
   """``(dk, dv)`` in k's and v's dtypes: ``dK = scale dS^T Q``, ``dV = P^T dO``.
@@ -253,18 +357,83 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
   return (dk * jnp.float32(scale)).astype(k.dtype), dv.astype(v.dtype)
 
 
+def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
+  """``dq`` (q's dtype): ``dQ = scale dS K``, per query row over ascending key tiles of
+  ``BLOCK_K`` keys from key 0 up to the tile holding its CTA's largest ``last``.
+
+  Arguments as :func:`dkv`'s. A CTA holds ``2 * BLOCK_Q`` query rows (one compute
+  warpgroup each) and a memory warpgroup streams K/V tiles through a ``STAGES``-deep
+  ring; the tile holding ``kv_len`` has its K rows at or past it zeroed in shared memory
+  before ``dS K`` (garbage past ``kv_len``: ``0 * NaN``); every masked term is a select.
+  """
+  why = supported(q.shape, k.shape, q.dtype)
+  if why is not None:
+    raise ValueError(f"causal_attention(mosaic) backward: {why}")
+  bsz, tq, h, d = q.shape
+  s_len = k.shape[1]
+  wgs = NUM_COMPUTE_WGS
+  cta_rows = wgs * BLOCK_Q
+  n_qb = cdiv(tq, cta_rows)
+  tq_pad = n_qb * cta_rows
+  kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
+  last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
+  d_out = d_out.astype(q.dtype)
+  if tq_pad != tq:
+    rows = ((0, 0), (0, tq_pad - tq))
+    q = jnp.pad(q, (*rows, (0, 0), (0, 0)))
+    d_out = jnp.pad(d_out, (*rows, (0, 0), (0, 0)))
+    last = jnp.pad(last, rows, constant_values=-1)
+    lse = jnp.pad(lse, ((0, 0), *rows))
+    delta = jnp.pad(delta, ((0, 0), *rows))
+  s_pad = max(BLOCK_K, round_up(s_len, 8))
+  if s_pad != s_len:
+    pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  n_tiles = (jnp.max(last.reshape(bsz, n_qb, cta_rows), axis=2) + BLOCK_K) // BLOCK_K
+
+  tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def entry(*refs):
+    scratch = (
+        plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
+        plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
+        plgpu.SMEM((wgs, BLOCK_Q), jnp.int32),
+        plgpu.SMEM((STAGES, BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, BLOCK_K, d), q.dtype, transforms=tile),
+    )
+    loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES))
+    row_loaded = tuple(plgpu.Barrier(num_barriers=wgs) for _ in range(5))
+    free = plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES)
+    kernel = functools.partial(_dq_kernel, d=d, scale=scale, scale2=scale * LOG2E, wgs=wgs)
+    pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), scratch, loaded, row_loaded, free,
+                  collective_axes="wg")
+
+  out = plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct((bsz, tq_pad, h, d), q.dtype),
+      grid=(h, n_qb, bsz),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="causal_attention_dq_mosaic",
+  )(q, d_out, k, v, lse, delta, last, n_tiles.astype(jnp.int32), kv_len)
+  return out[:, :tq] if tq_pad != tq else out
+
+
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
              config: attention_triton.BackwardConfig | None = None):
-  """``(dq, dk, dv)``: ``dq`` by the Triton kernel, ``dk, dv`` by :func:`dkv` (the
-  Triton kernels where :func:`supported` says no)."""
+  """``(dq, dk, dv)`` by :func:`dq` and :func:`dkv` (the Triton kernels where
+  :func:`supported` says no)."""
   if supported(q.shape, k.shape, q.dtype) is not None:
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                      scale=scale, interpret=False, config=config)
   cfg = config or attention_triton.BackwardConfig()
   d_out = d_out.astype(q.dtype)
   delta = attention_triton.delta_rows(out, d_out)
-  dq = attention_triton.backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta,
-                                    scale=scale, interpret=False, config=cfg)
+  dq_ = dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale)
   dk, dv = dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
                split_rows=cfg.dkv_split_rows)
-  return dq, dk, dv
+  return dq_, dk, dv

@@ -257,10 +257,10 @@ def test_bad_dtypes():
 
 
 @pytest.mark.parametrize("b,tq,s_len,d", [(2, 1000, 1000, 64), (1, 300, 77, 128)])
-def test_mosaic_dkv_kernel_lowers_for_cuda(b, tq, s_len, d):
-  """The Mosaic dK/dV kernel lowers to a CUDA module on any machine (Mosaic builds its TMA
-  descriptors and register layouts while lowering, so a layout it rejects fails here);
-  its gradients are tested on a Hopper GPU (test_attention_mosaic_gpu.py)."""
+def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d):
+  """The Mosaic dK/dV and dQ kernels lower to a CUDA module on any machine (Mosaic builds
+  its TMA descriptors and register layouts while lowering, so a layout it rejects fails
+  here); their gradients are tested on a Hopper GPU (test_attention_mosaic_gpu.py)."""
   from jaxrl_kernels.pallas import attention_mosaic_bwd
   bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
   sd = jax.ShapeDtypeStruct
@@ -270,6 +270,10 @@ def test_mosaic_dkv_kernel_lowers_for_cuda(b, tq, s_len, d):
   fn = jax.jit(functools.partial(attention_mosaic_bwd.dkv, scale=d ** -0.5, split_rows=256))
   exported = jax.export.export(fn, platforms=["cuda"])(*args)
   assert [a.shape for a in exported.out_avals] == [(b, s_len, 2, d)] * 2
+  assert "mosaic_gpu" in exported.mlir_module()
+  fn = jax.jit(functools.partial(attention_mosaic_bwd.dq, scale=d ** -0.5))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert [a.shape for a in exported.out_avals] == [(b, tq, 2, d)]
   assert "mosaic_gpu" in exported.mlir_module()
   with pytest.raises(ValueError, match="not the folded layout"):
     attention_mosaic_bwd.dkv(*(jnp.zeros(a.shape, a.dtype) for a in

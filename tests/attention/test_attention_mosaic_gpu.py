@@ -2,12 +2,12 @@
 prove.
 
 Forward accuracy against float64 at shapes that are not multiples of its tiles, its
-logsumexp residual driving the backward (Mosaic dK/dV, Triton dQ; gradients within
-tolerance), the dK/dV kernel's walks (ranges, packed positions, NaN in padding rows, run to
-run), and its place
-in the dispatch table (the Hopper default for bf16/fp16 at head dims 64 and 128, Triton
-otherwise, clear errors). Every invariance (decode = prefill up to T = 4096, padding,
-packing and NaN garbage, batch, chunking, mode, run to run) is tests/test_contract.py.
+logsumexp residual driving the Mosaic backward (gradients within tolerance), the backward
+kernels' walks (range splits, restarting positions, NaN in padding rows and in keys past
+kv_lengths, run to run), and its place in the dispatch table (the Hopper default for
+bf16/fp16 at head dims 64 and 128, Triton otherwise, clear errors). Every invariance
+(decode = prefill up to T = 4096, padding, packing and NaN garbage, batch, chunking, mode,
+run to run) is tests/test_contract.py.
 
   python -m pytest -q -m gpu tests/attention/test_attention_mosaic_gpu.py
 """
@@ -52,8 +52,8 @@ def test_forward_accuracy(dtype, d, hkv, t):
 
 
 def test_lse_matches_triton_and_gradients():
-  """The Mosaic forward's residuals drive the backward (Mosaic dK/dV, Triton dQ): gradients
-  within tolerance."""
+  """The Mosaic forward's residuals drive the Mosaic backward: gradients within
+  tolerance."""
   q, k, v = inputs(1, 2, 300, HQ, 2, D, jnp.bfloat16, spread=2)
   pos = arange_pos(2, 300)
   kvl = jnp.array([300, 211], jnp.int32)
@@ -140,3 +140,27 @@ def test_dkv_kernel_packed_positions_and_nan_padding():
   got = f(*dirty)
   for name, g, c in zip(("dk", "dv"), got, clean, strict=True):
     assert_bitwise_equal(g, c, f"{name} with NaN padding rows")
+
+
+@pytest.mark.parametrize("d,t", [(64, 777), (128, 300)])
+def test_dq_kernel_matches_float64_and_ignores_garbage_keys(d, t):
+  """dQ within the gradient tolerance of float64 (T off the tiles, a shorter kv_len), run to
+  run bitwise; NaN in K and V rows past kv_len (a cache's garbage) changes no bit of dQ,
+  dK or dV."""
+  pos = arange_pos(2, t)
+  kvl = jnp.array([t, t - 123], jnp.int32)
+  args, scale, _ = _dkv_inputs(7, 2, t, 2, d, pos, kvl)
+  _, (dq_ref, _, _) = reference64(*args[:5], scale, args[5])
+  f = jax.jit(lambda *a: attention_mosaic_bwd.dq(*a, scale=scale))
+  got = f(*args)
+  assert_bitwise_equal(got, f(*args), "dq run to run")
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  assert rel_err(got, dq_ref) <= TOL["bfloat16"][1]
+  past = (jnp.arange(t)[None, :] >= kvl[:, None])[:, :, None, None]
+  dirty = list(args)
+  for i in (1, 2):
+    dirty[i] = jnp.where(past, jnp.nan, args[i]).astype(args[i].dtype)
+  assert_bitwise_equal(f(*dirty), got, "dq with NaN keys past kv_len")
+  g = jax.jit(lambda *a: attention_mosaic_bwd.dkv(*a, scale=scale, split_rows=256))
+  for name, a, c in zip(("dk", "dv"), g(*dirty), g(*args), strict=True):
+    assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len")
