@@ -6,11 +6,12 @@ deterministic (no atomics; fixed orders), not part of the forward's invariance
 contract. dQ (:func:`dq`): the forward's structure (query rows per compute warpgroup,
 K/V tiles streamed from key 0; see its docstring).
 
-dK/dV kernel (:func:`dkv`): a CTA holds ``wgs * BLOCK_K`` keys of one (row, kv
-head) (``BLOCK_K = 64`` per compute warpgroup, the wgmma M) and walks query blocks
-of ``BLOCK_Q = 64`` rows in ascending order; a memory warpgroup streams each block's ``Q``, ``dO``
-tiles and ``lse``, ``delta``, ``last`` vectors into a ``STAGES``-deep ring. Per
-block, each compute warpgroup (keys on the rows, queries on the columns):
+dK/dV kernel (:func:`dkv`): a CTA holds ``wgs * BWD_BLOCK_K`` keys of one (row, kv
+head) (``BWD_BLOCK_K = 64`` per compute warpgroup, the wgmma M) and walks query
+blocks of ``BWD_BLOCK_Q = 64`` rows in ascending order; a memory warpgroup streams
+each block's ``Q``, ``dO`` tiles and ``lse``, ``delta``, ``last`` vectors into a
+``STAGES``-deep ring. Per block, each compute warpgroup (keys on the rows, queries on
+the columns):
 
     S^T = K Q^T,  P^T = 2^(scale2 S^T - lse) where key <= last (else 0),
     dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T (dP^T - delta) where visible (else 0),
@@ -46,8 +47,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxrl_kernels.pallas import attention_mosaic, attention_triton
 from jaxrl_kernels.pallas._common import LOG2E, cdiv, round_up, smem_transforms
 
-BLOCK_K = 64  # keys per compute warpgroup (the wgmma M)
-BLOCK_Q = 64  # query rows per step
+# Free knobs of the backward (gradients are not part of the forward's contract): keys per
+# dK/dV compute warpgroup (the wgmma M) and query rows per step (per dQ warpgroup).
+BWD_BLOCK_K = 64
+BWD_BLOCK_Q = 64
 NUM_COMPUTE_WGS = 2
 # Free knob: depth of the Q/dO ring (no bit depends on it).
 STAGES = 2
@@ -84,16 +87,16 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
   def _compute_wg():
     plgpu.set_max_registers(232, action="increase")
     k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
-    key0 = kc * (wgs * BLOCK_K) + wg * BLOCK_K
-    window = (b, pl.ds(key0, BLOCK_K), hk)
+    key0 = kc * (wgs * BWD_BLOCK_K) + wg * BWD_BLOCK_K
+    window = (b, pl.ds(key0, BWD_BLOCK_K), hk)
     plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem, k_loaded.at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem, v_loaded.at[wg])
     plgpu.barrier_wait(k_loaded.at[wg])
     plgpu.barrier_wait(v_loaded.at[wg])
-    shape = (BLOCK_K, BLOCK_Q)
-    col = plgpu.Layout.WGMMA.reduce(0)  # a [BLOCK_Q] vector along the columns
+    shape = (BWD_BLOCK_K, BWD_BLOCK_Q)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a [BWD_BLOCK_Q] vector along the columns
     keys = key0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-    zeros = plgpu.layout_cast(jnp.full((BLOCK_K, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+    zeros = plgpu.layout_cast(jnp.full((BWD_BLOCK_K, d), 0, jnp.float32), plgpu.Layout.WGMMA)
 
     def step(i, carry):
       dk, dv = carry
@@ -134,7 +137,7 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
 
     # Ascending query blocks: a fixed order of float32 accumulation.
     dk, dv = lax.fori_loop(0, n_steps, step, (zeros, zeros))
-    out = (split, b, pl.ds(key0, BLOCK_K), hk)
+    out = (split, b, pl.ds(key0, BWD_BLOCK_K), hk)
     out_smem[...] = dk
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[out])
@@ -149,7 +152,7 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
     plgpu.set_max_registers(40, action="decrease")
 
     def issue(i, slot):
-      rows = pl.ds((first + i) * BLOCK_Q, BLOCK_Q)
+      rows = pl.ds((first + i) * BWD_BLOCK_Q, BWD_BLOCK_Q)
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(last_ref.at[b, rows], last_smem.at[slot], last_loaded.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[b, hk, rows], lse_smem.at[slot], lse_loaded.at[slot])
@@ -186,39 +189,39 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, ntiles
   def _compute_wg():
     plgpu.set_max_registers(232, action="increase")
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-    row0 = qb * (wgs * BLOCK_Q) + wg * BLOCK_Q
-    rows = (b, pl.ds(row0, BLOCK_Q), hk)
+    row0 = qb * (wgs * BWD_BLOCK_Q) + wg * BWD_BLOCK_Q
+    rows = (b, pl.ds(row0, BWD_BLOCK_Q), hk)
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_loaded.at[wg])
-    vecs = (lse_ref.at[b, hk, pl.ds(row0, BLOCK_Q)], delta_ref.at[b, hk, pl.ds(row0, BLOCK_Q)],
-            last_ref.at[b, pl.ds(row0, BLOCK_Q)])
+    span = pl.ds(row0, BWD_BLOCK_Q)
+    vecs = (lse_ref.at[b, hk, span], delta_ref.at[b, hk, span], last_ref.at[b, span])
     vec_loaded = (lse_loaded, delta_loaded, last_loaded)
     for src, dst, bar in zip(vecs, (lse_smem2, delta_smem2, last_smem2), vec_loaded,
                              strict=True):
       plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
     for bar in vec_loaded:
       plgpu.barrier_wait(bar.at[wg])
-    row = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector along the rows
+    row = plgpu.Layout.WGMMA.reduce(1)  # a [BWD_BLOCK_Q] vector along the rows
     lse = plgpu.load(lse_smem2.at[wg], (), layout=row)
     delta = plgpu.load(delta_smem2.at[wg], (), layout=row)
     last = plgpu.load(last_smem2.at[wg], (), layout=row)
     plgpu.barrier_wait(q_loaded.at[wg])
     plgpu.barrier_wait(do_loaded.at[wg])
-    shape = (BLOCK_Q, BLOCK_K)
+    shape = (BWD_BLOCK_Q, BWD_BLOCK_K)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    dq = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+    dq = plgpu.layout_cast(jnp.full((BWD_BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
 
     def tile(t, dq):
       slot = lax.rem(t, jnp.int32(STAGES))
-      key0 = t * BLOCK_K
+      key0 = t * BWD_BLOCK_K
       plgpu.barrier_wait(k_loaded.at[slot])
 
-      @pl.when(key0 + BLOCK_K > kv_len)
+      @pl.when(key0 + BWD_BLOCK_K > kv_len)
       def _zero_k_tail():
         # The tile holding kv_len: K rows at or past it may be garbage (NaN), and the
         # dS @ K wgmma would compute 0 * NaN. Both warpgroups select them to 0 in place.
         k_tile = k_smem.at[slot][...]
-        keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, d), 0, layout=plgpu.Layout.WGMMA)
+        keys = plgpu.broadcasted_iota(jnp.int32, (BWD_BLOCK_K, d), 0, layout=plgpu.Layout.WGMMA)
         k_smem.at[slot][...] = jnp.where(keys < kv_len - key0, k_tile, jnp.zeros_like(k_tile))
         plgpu.commit_smem()
 
@@ -257,7 +260,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, ntiles
     plgpu.set_max_registers(40, action="decrease")
 
     def issue(t, slot):
-      window = (b, pl.ds(t * BLOCK_K, BLOCK_K), hk)
+      window = (b, pl.ds(t * BWD_BLOCK_K, BWD_BLOCK_K), hk)
       plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
 
@@ -279,19 +282,19 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
   ``q [B, Tq, H, D]`` and ``d_out`` (q's dtype), ``k, v [B, S, H, D]`` (the folded
   layout: as many query as kv heads), ``lse`` and ``delta`` ``[B, H, Tq]`` float32
   (the forward's residual and :func:`attention_triton.delta_rows`). ``split_rows``: query
-  rows per CTA range (a free knob of the backward; a multiple of ``BLOCK_Q``).
+  rows per CTA range (a free knob of the backward; a multiple of ``BWD_BLOCK_Q``).
   """
   why = supported(q.shape, k.shape, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic) backward: {why}")
-  if split_rows < BLOCK_Q or split_rows % BLOCK_Q:
-    raise ValueError(f"dkv: split_rows must be a positive multiple of {BLOCK_Q}, got "
+  if split_rows < BWD_BLOCK_Q or split_rows % BWD_BLOCK_Q:
+    raise ValueError(f"dkv: split_rows must be a positive multiple of {BWD_BLOCK_Q}, got "
                      f"{split_rows}")
   bsz, tq, h, d = q.shape
   s_len = k.shape[1]
   wgs = NUM_COMPUTE_WGS
-  n_qb = cdiv(tq, BLOCK_Q)
-  tq_pad = n_qb * BLOCK_Q
+  n_qb = cdiv(tq, BWD_BLOCK_Q)
+  tq_pad = n_qb * BWD_BLOCK_Q
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
   # Rows that see no key: zeros, not whatever they hold (0 * NaN inside a wgmma).
@@ -305,32 +308,32 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
     last = jnp.pad(last, rows, constant_values=-1)
     lse = jnp.pad(lse, ((0, 0), *rows))
     delta = jnp.pad(delta, ((0, 0), *rows))
-  s_pad = max(wgs * BLOCK_K, round_up(s_len, 8))
+  s_pad = max(wgs * BWD_BLOCK_K, round_up(s_len, 8))
   if s_pad != s_len:
     # As the forward: TMA needs S a multiple of 8 rows and at least one CTA of keys.
     pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-  n_kc = cdiv(s_len, wgs * BLOCK_K)
+  n_kc = cdiv(s_len, wgs * BWD_BLOCK_K)
   # First query block whose largest `last` reaches each key CTA's first key (int32 only).
-  block_last = jnp.max(last.reshape(bsz, n_qb, BLOCK_Q), axis=2)
-  cta_key0 = jnp.arange(n_kc, dtype=jnp.int32) * (wgs * BLOCK_K)
+  block_last = jnp.max(last.reshape(bsz, n_qb, BWD_BLOCK_Q), axis=2)
+  cta_key0 = jnp.arange(n_kc, dtype=jnp.int32) * (wgs * BWD_BLOCK_K)
   reaches = block_last[:, None, :] >= cta_key0[None, :, None]  # [B, n_kc, n_qb]
   qstart = jnp.where(jnp.any(reaches, axis=2), jnp.argmax(reaches, axis=2), n_qb)
-  split_blocks = split_rows // BLOCK_Q
+  split_blocks = split_rows // BWD_BLOCK_Q
   n_split = cdiv(n_qb, split_blocks)
 
   tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def entry(*refs):
     scratch = (
-        plgpu.SMEM((STAGES, BLOCK_Q, d), q.dtype, transforms=tile),
-        plgpu.SMEM((STAGES, BLOCK_Q, d), q.dtype, transforms=tile),
-        plgpu.SMEM((STAGES, BLOCK_Q), jnp.float32),
-        plgpu.SMEM((STAGES, BLOCK_Q), jnp.float32),
-        plgpu.SMEM((STAGES, BLOCK_Q), jnp.int32),
-        plgpu.SMEM((wgs, BLOCK_K, d), q.dtype, transforms=tile),
-        plgpu.SMEM((wgs, BLOCK_K, d), q.dtype, transforms=tile),
-        plgpu.SMEM((wgs, BLOCK_K, d), jnp.float32, transforms=smem_transforms(d, 4)),
+        plgpu.SMEM((STAGES, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, BWD_BLOCK_Q), jnp.float32),
+        plgpu.SMEM((STAGES, BWD_BLOCK_Q), jnp.float32),
+        plgpu.SMEM((STAGES, BWD_BLOCK_Q), jnp.int32),
+        plgpu.SMEM((wgs, BWD_BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BWD_BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BWD_BLOCK_K, d), jnp.float32, transforms=smem_transforms(d, 4)),
     )
     loaded = tuple(plgpu.Barrier(num_barriers=STAGES) for _ in range(5))
     kv_loaded = (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs))
@@ -359,9 +362,9 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
 
 def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
   """``dq`` (q's dtype): ``dQ = scale dS K``, per query row over ascending key tiles of
-  ``BLOCK_K`` keys from key 0 up to the tile holding its CTA's largest ``last``.
+  ``BWD_BLOCK_K`` keys from key 0 up to the tile holding its CTA's largest ``last``.
 
-  Arguments as :func:`dkv`'s. A CTA holds ``2 * BLOCK_Q`` query rows (one compute
+  Arguments as :func:`dkv`'s. A CTA holds ``2 * BWD_BLOCK_Q`` query rows (one compute
   warpgroup each) and a memory warpgroup streams K/V tiles through a ``STAGES``-deep
   ring; the tile holding ``kv_len`` has its K rows at or past it zeroed in shared memory
   before ``dS K`` (garbage past ``kv_len``: ``0 * NaN``); every masked term is a select.
@@ -372,7 +375,7 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
   bsz, tq, h, d = q.shape
   s_len = k.shape[1]
   wgs = NUM_COMPUTE_WGS
-  cta_rows = wgs * BLOCK_Q
+  cta_rows = wgs * BWD_BLOCK_Q
   n_qb = cdiv(tq, cta_rows)
   tq_pad = n_qb * cta_rows
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
@@ -385,23 +388,23 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
     last = jnp.pad(last, rows, constant_values=-1)
     lse = jnp.pad(lse, ((0, 0), *rows))
     delta = jnp.pad(delta, ((0, 0), *rows))
-  s_pad = max(BLOCK_K, round_up(s_len, 8))
+  s_pad = max(BWD_BLOCK_K, round_up(s_len, 8))
   if s_pad != s_len:
     pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-  n_tiles = (jnp.max(last.reshape(bsz, n_qb, cta_rows), axis=2) + BLOCK_K) // BLOCK_K
+  n_tiles = (jnp.max(last.reshape(bsz, n_qb, cta_rows), axis=2) + BWD_BLOCK_K) // BWD_BLOCK_K
 
   tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def entry(*refs):
     scratch = (
-        plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=tile),
-        plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=tile),
-        plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
-        plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
-        plgpu.SMEM((wgs, BLOCK_Q), jnp.int32),
-        plgpu.SMEM((STAGES, BLOCK_K, d), q.dtype, transforms=tile),
-        plgpu.SMEM((STAGES, BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BWD_BLOCK_Q), jnp.float32),
+        plgpu.SMEM((wgs, BWD_BLOCK_Q), jnp.float32),
+        plgpu.SMEM((wgs, BWD_BLOCK_Q), jnp.int32),
+        plgpu.SMEM((STAGES, BWD_BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, BWD_BLOCK_K, d), q.dtype, transforms=tile),
     )
     loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES))
     row_loaded = tuple(plgpu.Barrier(num_barriers=wgs) for _ in range(5))
