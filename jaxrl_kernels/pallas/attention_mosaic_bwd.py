@@ -54,6 +54,12 @@ BWD_BLOCK_Q = 64
 NUM_COMPUTE_WGS = 2
 # Free knob: depth of the Q/dO ring (no bit depends on it).
 STAGES = 2
+# Head dims whose backward runs these kernels; others run the Triton backward (a free
+# choice: gradients are deterministic either way). Measured on an H100
+# (benchmarks/results/attention_h100.md): D = 128, 32 heads, T = 4096: fwd+bwd 1.53 ms vs
+# Triton's 2.20; D = 64 with grouped heads at the training step's document slots
+# (Qwen2.5-0.5B, Llama-3.2-1B): 1.91 vs 1.77 ms and 4.27 vs 4.28 ms.
+BACKWARD_HEAD_DIMS = (128,)
 
 
 def supported(q_shape, k_shape, dtype) -> str | None:
@@ -429,8 +435,9 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
              config: attention_triton.BackwardConfig | None = None):
   """``(dq, dk, dv)`` by :func:`dq` and :func:`dkv` (the Triton kernels where
-  :func:`supported` says no)."""
-  if supported(q.shape, k.shape, q.dtype) is not None:
+  :func:`supported` says no or the head dim is not in ``BACKWARD_HEAD_DIMS``)."""
+  if (supported(q.shape, k.shape, q.dtype) is not None
+      or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                      scale=scale, interpret=False, config=config)
   cfg = config or attention_triton.BackwardConfig()

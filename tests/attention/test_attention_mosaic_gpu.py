@@ -84,6 +84,28 @@ def test_default_and_routing():
     attn(*(x.astype(jnp.float32) for x in (q, k, v)), impl="mosaic")
 
 
+def test_backward_routes_by_head_dim():
+  """The backward runs the Mosaic kernels at a head dim of BACKWARD_HEAD_DIMS and the
+  Triton backward otherwise: bitwise equal to the chosen kernels, on the folded layout."""
+  for d in (64, 128):
+    q, k, v = inputs(4, 2, 200, HQ, HQ, d, jnp.bfloat16, spread=2)
+    pos, kvl = arange_pos(2, 200), jnp.array([200, 131], jnp.int32)
+    d_out = jax.random.normal(jax.random.key(5), q.shape, jnp.bfloat16)
+    out, lse = attention_mosaic.forward(q, k, v, pos, kvl, scale=d ** -0.5)
+    got = attention_mosaic_bwd.backward(q, k, v, pos, kvl, out, lse, d_out, scale=d ** -0.5)
+    tri = attention_triton.backward(q, k, v, pos, kvl, out, lse, d_out, scale=d ** -0.5,
+                                    interpret=False)
+    delta = attention_triton.delta_rows(out, d_out)
+    mos = (attention_mosaic_bwd.dq(q, k, v, pos, kvl, d_out, lse, delta, scale=d ** -0.5),
+           *attention_mosaic_bwd.dkv(q, k, v, pos, kvl, d_out, lse, delta, scale=d ** -0.5))
+    want = mos if d in attention_mosaic_bwd.BACKWARD_HEAD_DIMS else tri
+    other = tri if d in attention_mosaic_bwd.BACKWARD_HEAD_DIMS else mos
+    for name, g, w, o in zip("qkv", got, want, other):
+      assert_bitwise_equal(g, w, f"d{name} D={d}")
+      # control: the two backwards differ, so the equality above names the route
+      assert not np.array_equal(np.asarray(g).view(np.uint16), np.asarray(o).view(np.uint16))
+
+
 def _dkv_inputs(seed, b, t, h, d, pos, kvl):
   """Folded-layout inputs of the dK/dV kernel and the float64 reference's dk, dv."""
   q, k, v = inputs(seed, b, t, h, h, d, jnp.bfloat16, spread=2)
