@@ -100,14 +100,23 @@ def opaque_zero(x: jax.Array) -> jax.Array:
   return (n * (n + jnp.uint32(1))) & jnp.uint32(1)
 
 
+@jax.custom_jvp
 def guard(x: jax.Array, zero: jax.Array) -> jax.Array:
   """``x`` (float32), unchanged, after an integer XOR with ``zero`` (:func:`opaque_zero`).
 
   Whatever fusion ``x`` and its consumer end up in, the consumer sees an
   integer-to-float bitcast, not a multiply: no FMA contraction across it.
+  Differentiable: the value is ``x``'s, so the derivative is the identity (autodiff of
+  the bitcasts alone would give zero: integers carry no tangent).
   """
   bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) ^ zero
   return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@guard.defjvp
+def _guard_jvp(primals, tangents):
+  x, zero = primals
+  return guard(x, zero), tangents[0].astype(jnp.float32)
 
 
 def storage_dtype(dtype) -> jnp.dtype:

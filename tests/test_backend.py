@@ -133,3 +133,27 @@ def test_unknown_and_unavailable_implementations():
     assert _backend.resolve("op", None, jnp.bfloat16) == "cpu"
     assert _backend.resolve("op", None, jnp.bfloat16, supported=("interpret", "xla")) == (
         "interpret")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_guard_is_the_identity_with_the_identity_derivative(dtype):
+  """_cpu.guard returns x's float32 bits and differentiates as the identity (forward and
+  reverse mode); the bitcasts alone would carry no tangent (control)."""
+  from jaxrl_kernels._cpu import guard, opaque_zero
+
+  x = jax.random.normal(jax.random.key(0), (5, 7)).astype(dtype)
+  c = jax.random.normal(jax.random.key(1), (5, 7))
+  y = jax.jit(lambda x: guard(x, opaque_zero(x)))(x)
+  assert np.array_equal(np.asarray(y).view(np.uint32),
+                        np.asarray(x.astype(jnp.float32)).view(np.uint32))
+  g = jax.grad(lambda x: jnp.sum(guard(x, opaque_zero(x)) * c))(x)
+  assert g.dtype == x.dtype
+  assert np.array_equal(np.asarray(g, np.float32), np.asarray(c.astype(dtype), np.float32))
+  _, t = jax.jvp(lambda x: guard(x, opaque_zero(x)), (x,), (jnp.ones_like(x),))
+  assert np.array_equal(np.asarray(t), np.ones((5, 7), np.float32))
+
+  def bare(x):  # the guard's body without its derivative rule
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) ^ opaque_zero(x)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+  assert not np.any(np.asarray(jax.grad(lambda x: jnp.sum(bare(x) * c))(x), np.float32))
