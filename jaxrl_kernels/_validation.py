@@ -13,6 +13,7 @@ not a conversion.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -284,3 +285,19 @@ def check_int(op: str, name: str, value: Any, *, minimum: int | None = None) -> 
   if minimum is not None and v < minimum:
     raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
   return v
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def no_gradient(op: str, what: str, x: jax.Array) -> jax.Array:
+  """``x`` unchanged; differentiating through it raises a TypeError naming ``op``.
+
+  For sampler-side values whose derivative would otherwise be silently wrong (a
+  ``stop_gradient`` gives zeros, a partial chain gives part of it). Differentiating
+  something else (``x`` constant to the derivative) is fine."""
+  return x
+
+
+@no_gradient.defjvp
+def _no_gradient_jvp(op, what, primals, tangents):
+  raise TypeError(f"{op}: {what} has no gradient (a sampler-side function); differentiate "
+                  "linear_logp or head_logits(return_stats=False) instead")

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxrl_kernels import _validation, contract
 from jaxrl_kernels.gemm import det_matmul
@@ -91,7 +90,9 @@ _logits.defvjp(_logits_fwd, _logits_bwd)
 def _stats_project(h2, weight, bias, temp, st):
   """``(z, (m, s, u))``: the logits and their per-tile statistics from one kernel pass, as
   values (the sampler's head: no gradient flows through them)."""
-  sg = lax.stop_gradient
+  def sg(x):
+    return _validation.no_gradient("head_logits", "return_stats=True", x)
+
   return _project(sg(h2), sg(weight), None if bias is None else sg(bias),
                   None if temp is None else sg(temp), st, return_stats=True)
 
@@ -154,7 +155,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
       fused op's own per-tile code and merged by its merge: the entropy is
       bitwise ``linear_logp(..., return_entropy=True)``'s and
       :func:`logp_from_stats` gives its log-probs bitwise. Sampler-side: no
-      gradient flows through either output.
+      gradient flows through either output (differentiating them raises).
     implementation: as in ``linear_logp`` (``"xla"``: plain ``jnp.dot``, not
       bitwise anything) or None (the default of ``linear_logp``: the logits
       carry the bits of that implementation's fused op).
@@ -185,9 +186,9 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None 
                    temperature=1.0 if temp is None else temp, compute_dtype=compute_dtype)
     if not return_stats:
       return z.reshape(*lead, v)
-    lse, ent = xla.logits_stats(lax.stop_gradient(z))
-    return lax.stop_gradient(z).reshape(*lead, v), LogitStats(lse.reshape(lead),
-                                                              ent.reshape(lead))
+    z = _validation.no_gradient(op, "return_stats=True", z)
+    lse, ent = xla.logits_stats(z)
+    return z.reshape(*lead, v), LogitStats(lse.reshape(lead), ent.reshape(lead))
   st = _Static(weight_layout, compute_dtype.name, impl)
   if not return_stats:
     return _logits(h2, weight, bias, temp, st).reshape(*lead, v)
@@ -272,9 +273,10 @@ def logp_from_stats(logits: jax.Array, stats: LogitStats, targets: jax.Array,
   """``logp = logits[..., t] - lse``: for ``(logits, stats) = head_logits(h, W, ...,
   return_stats=True)``, bitwise ``linear_logp(h, W, targets, ...)`` (the fused op's
   ``finalize`` on the same target logit and ``lse``). NaN for active ids outside
-  ``[0, V)``; 0 where ``mask`` is False (bool or 0/1)."""
+  ``[0, V)``; 0 where ``mask`` is False (bool or 0/1). No gradient (differentiating it
+  raises: use ``linear_logp``)."""
   op = "logp_from_stats"
-  logits = jnp.asarray(logits)
+  logits = _validation.no_gradient(op, "logits", jnp.asarray(logits))
   t = _validation.as_ids(op, "targets", targets, shape=logits.shape[:-1])
   if stats.lse.shape != t.shape:
     raise ValueError(f"{op}: stats.lse must have shape {t.shape}, got {stats.lse.shape}")
@@ -305,7 +307,7 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
   (not bitwise: the compiled reduction of re-read logits may differ from the
   fused epilogue's). For the bitwise sampler path use ``head_logits(...,
   return_stats=True)`` and :func:`logp_from_stats`. No gradient (a
-  sampler-side function).
+  sampler-side function: differentiating it raises).
 
   Args:
     logits: ``[..., V]`` float32 (already divided by the temperature).
@@ -334,7 +336,7 @@ def logits_logp(logits: jax.Array, targets: jax.Array, *, mask: jax.Array | None
   if t == 0:
     z0 = jnp.zeros(lead, jnp.float32)
     return (z0, z0) if return_entropy else z0
-  z2 = lax.stop_gradient(logits).reshape(t, v)
+  z2 = _validation.no_gradient(op, "logits", logits).reshape(t, v)
   t2 = targets.reshape(t)
   be = api.backend(impl)
   m, s, u, tz = be.partials_from_logits(z2, t2, compute_dtype=compute_dtype)

@@ -164,3 +164,30 @@ def test_forward_mode_autodiff_is_refused_by_name():
   with pytest.raises(TypeError, match="custom_vjp"):
     jax.jvp(lambda x: linear_logp(x, w, tg, implementation="cpu"), (x,), (x,))
   assert "Forward-mode autodiff" in linear_logp.__doc__
+
+
+@pytest.mark.parametrize("impl", ["interpret", "cpu", "xla"])
+def test_sampler_side_functions_refuse_to_be_differentiated(impl):
+  """head_logits(return_stats=True), logp_from_stats and logits_logp have no gradient:
+  differentiating through them raises, naming the function (their outputs once carried
+  stop_gradient: a silent zero, or for logp_from_stats a partial derivative); a derivative
+  with respect to something else still runs."""
+  from jaxrl_kernels.linear_logp import logits_logp
+
+  h = jax.random.normal(jax.random.key(0), (4, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 40))
+  t = jnp.arange(4)
+  with pytest.raises(TypeError, match="head_logits: return_stats=True has no gradient"):
+    jax.grad(lambda h: jnp.sum(head_logits(h, w, return_stats=True, implementation=impl)[0]))(h)
+  z, stats = head_logits(h, w, return_stats=True, implementation=impl)
+  with pytest.raises(TypeError, match="logp_from_stats: logits has no gradient"):
+    jax.grad(lambda z: jnp.sum(logp_from_stats(z, stats, t)))(z)
+  if impl != "xla":
+    with pytest.raises(TypeError, match="logits_logp: logits has no gradient"):
+      jax.grad(lambda z: jnp.sum(logits_logp(z, t, implementation=impl)))(z)
+    lp = logits_logp(z, t, implementation=impl)
+    g = jax.grad(lambda a: a * jnp.sum(logits_logp(z, t, implementation=impl)))(1.0)
+    assert float(g) == float(jnp.sum(lp))
+  # the differentiable head still differentiates
+  dh = jax.grad(lambda h: jnp.sum(head_logits(h, w, implementation=impl)))(h)
+  assert np.allclose(np.asarray(dh), np.broadcast_to(np.asarray(w).sum(1), (4, 16)), rtol=1e-5)
