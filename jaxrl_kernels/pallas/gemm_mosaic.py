@@ -182,7 +182,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   kernel = functools.partial(_kernel, m=g * m_pad, n=n, k=k, cfg=cfg, lhs_transposed=False,
                              rhs_transposed=False, group_rows=m_pad)
   f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((g * m_pad, n), out_dtype),
-                         cfg=cfg.loop)
+                         cfg=cfg.loop, name="det_matmul_grouped")
   out = f(lhs.reshape(g * m_pad, k), rhs.reshape(g * k, n)).reshape(g, m_pad, n)
   return out[:, :m] if m_pad != m else out
 
@@ -283,12 +283,12 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
     # ``acc``, so a running sum in a loop needs one [M, N] buffer, not two.
     acc_ref = jax.new_ref(acc)
     in_place = pl.kernel(functools.partial(kernel, in_place=True), out_type=(),
-                         mesh=mosaic_loop.mesh(cfg.loop), compiler_params=mosaic_warpgroup_params(),
-                         name="det_matmul_acc")
+                         mesh=mosaic_loop.mesh(cfg.loop, "det_matmul_acc"),
+                         compiler_params=mosaic_warpgroup_params(), name="det_matmul_acc")
     in_place(lhs, rhs, *vec, acc_ref)
     out = jax.freeze(acc_ref)
     return out[:m] if m_run != m else out
   f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
-                         cfg=cfg.loop)
+                         cfg=cfg.loop, name="det_matmul" if acc is None else "det_matmul_acc")
   out = f(lhs, rhs, *vec) if acc is None else f(lhs, rhs, *vec, acc)
   return out[:m] if m_run != m else out

@@ -240,7 +240,8 @@ def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_ru
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
       has_temp=temp is not None, store_logits=store_logits, stats=stats,
       valid_vocab=valid_vocab, cfg=cfg)
-  f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop)
+  f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop,
+                         name="lm_head_logits" if store_logits else "linear_logp_tiles")
   vecs = [x for x in (bias, None if temp is None else jnp.broadcast_to(temp, (VOCAB_TILE,)))
           if x is not None]
   return f(hidden, weight, *vecs, *extra)
@@ -378,7 +379,7 @@ def partials_from_logits(logits2d: jax.Array, targets: jax.Array):
   f = plgpu.kernel(
       functools.partial(_from_logits_kernel, valid_vocab=v),
       out_type=(part,), grid=(n_blocks, n_tiles), grid_names=("rows", "tiles"),
-      compiler_params=_common.mosaic_warpgroup_params())
+      compiler_params=_common.mosaic_warpgroup_params(), kernel_name="linear_logp_from_logits")
   (packed,) = f(logits2d, tg)
   m, s, u, tzp = _unpack(packed, n_tiles, t, EPI_ROWS)
   return m, s, u, jnp.sum(tzp, axis=0)
