@@ -283,8 +283,8 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
     # ``acc``, so a running sum in a loop needs one [M, N] buffer, not two.
     acc_ref = jax.new_ref(acc)
     in_place = pl.kernel(functools.partial(kernel, in_place=True), out_type=(),
-                         mesh=mosaic_loop.mesh(cfg.loop, "det_matmul_acc"),
-                         compiler_params=mosaic_warpgroup_params(), name="det_matmul_acc")
+                         mesh=mosaic_loop.mesh(cfg.loop), compiler_params=mosaic_warpgroup_params(),
+                         name="det_matmul_acc")
     in_place(lhs, rhs, *vec, acc_ref)
     out = jax.freeze(acc_ref)
     return out[:m] if m_run != m else out

@@ -126,11 +126,12 @@ def pipeline_depth(cfg: LoopConfig, itemsize: int, epilogue_bytes: int) -> int:
   return steps
 
 
-def _grid(cfg: LoopConfig, name: str) -> dict:
+def _grid(cfg: LoopConfig, name: str | None = None) -> dict:
   # One CTA per SM; one memory warpgroup plus the compute warpgroups. ``name``: the kernel's
   # symbol (what profiles list), nothing else.
-  return dict(grid=(num_sms(),), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
-              thread_name="wg", kernel_name=name)
+  grid = dict(grid=(num_sms(),), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
+              thread_name="wg")
+  return grid if name is None else {**grid, "kernel_name": name}
 
 
 def kernel(body: Callable, *, out_type, cfg: LoopConfig, name: str) -> Callable:
@@ -140,9 +141,10 @@ def kernel(body: Callable, *, out_type, cfg: LoopConfig, name: str) -> Callable:
                       **_grid(cfg, name))
 
 
-def mesh(cfg: LoopConfig, name: str) -> plgpu.Mesh:
-  """The persistent grid of ``cfg`` as a mesh, for ``pl.kernel`` (mutable-ref outputs)."""
-  return plgpu.Mesh(**_grid(cfg, name))
+def mesh(cfg: LoopConfig) -> plgpu.Mesh:
+  """The persistent grid of ``cfg`` as a mesh, for ``pl.kernel`` (mutable-ref outputs; its
+  ``name`` names the kernel)."""
+  return plgpu.Mesh(**_grid(cfg))
 
 
 def _transpose(ref):
