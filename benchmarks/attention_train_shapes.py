@@ -5,8 +5,9 @@ rows of 4096 tokens) cut into documents, each left-aligned in a 4096-key slot, q
 past a document's length at position -1. One layer's forward + ``jax.vjp`` backward in one
 jit, CUPTI device time (median). Rows: cuDNN (``jax.nn.dot_product_attention``, the stock
 model's call), then ours with the Triton backward and with the Mosaic backward
-(``attention_mosaic_bwd.BACKWARD_HEAD_DIMS`` widened for that row only; the forward is the
-Mosaic kernel in both).
+(``attention_mosaic_bwd.BACKWARD_HEAD_DIMS`` widened for that row only, the traces of the
+other route dropped, and the two rows' dK checked to differ; the forward is the Mosaic
+kernel in both).
 
     PYTHONPATH=$PWD python benchmarks/attention_train_shapes.py
 """
@@ -71,12 +72,23 @@ def main() -> int:
     v = jax.random.normal(ks[2], (n, ROW, hkv, D), jnp.bfloat16)
     d_out = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
     ms = {"cudnn": device_ms(fwd_bwd("cudnn", length, qpos), q, k, v, d_out)}
+    grads = {}
     for kind, dims in (("triton", ()), ("mosaic", (D,))):
       attention_mosaic_bwd.BACKWARD_HEAD_DIMS = dims
+      # The routing table is read while tracing, and the library's kernel calls are jitted
+      # once per shape (_backend.kernel_jit): drop the traces of the other route.
+      jax.clear_caches()
       try:
-        ms[kind] = device_ms(fwd_bwd(kind, length, qpos), q, k, v, d_out)
+        f = fwd_bwd(kind, length, qpos)
+        grads[kind] = f(q, k, v, d_out)[1]
+        ms[kind] = device_ms(f, q, k, v, d_out)
       finally:
         attention_mosaic_bwd.BACKWARD_HEAD_DIMS = default_dims
+        jax.clear_caches()
+    # The two backwards are different kernels: their dK bits differ (else a route was not
+    # taken and the row would time one backward twice).
+    if np.array_equal(np.asarray(grads["triton"][1]), np.asarray(grads["mosaic"][1])):
+      raise RuntimeError(f"{name}: the Triton and Mosaic rows ran the same backward")
     c = ms["cudnn"]
     print(f"| {name} {hq}/{hkv} heads | {tokens} | {n} {lengths} | {c:.3f} | "
           f"{ms['triton']:.3f} ({ms['triton'] / c:.2f}x) | "

@@ -1,6 +1,7 @@
 """Sweep the Mosaic GEMM's free knobs per shape; check every config gives the same bits.
 
   PYTHONPATH=$PWD python benchmarks/tune_gemm_mosaic.py [--shapes M,K,N;...] [--product fwd|dA|dB]
+      [--all]   (every config list, the shape's default config first)
 """
 
 import argparse
@@ -60,6 +61,8 @@ def main():
   p.add_argument("--product", default="fwd", choices=["fwd", "dA", "dB"],
                  help="fwd: A @ B; dA: dC @ B^T (B read transposed); dB: A^T @ dC (A read "
                       "transposed); M, K, N are the forward's")
+  p.add_argument("--all", action="store_true",
+                 help="every config list for every shape (not only the list of its M)")
   args = p.parse_args()
   shapes = SHAPES
   if args.shapes:
@@ -82,6 +85,9 @@ def main():
     print(f"== {args.product} M={m} K={k} N={n}: jnp.dot {ref_ms * 1e3:.1f} us "
           f"{flops / ref_ms / 1e9:.1f} TFLOP/s", flush=True)
     configs = SMALL if om <= 64 else (M256 if om <= 512 else (MID if om <= 1024 else LARGE))
+    if args.all:
+      configs = list(dict.fromkeys([gm.default_config(om, n if args.product != "dA" else k,
+                                                      k), *SMALL, *M256, *LARGE]))
     digest0 = None
     for cfg in configs:
       try:

@@ -18,12 +18,14 @@ the columns):
     dK += dS^T Q
 
 with ``P^T`` and ``dS^T`` cast to the input dtype in registers as the wgmma lhs.
-The walk starts at the first query block whose largest ``last`` reaches the
-CTA's first key (computed in XLA from the int32 ``last``; blocks before it see
-none of the CTA's keys) and is cut into ranges of ``split_rows`` query rows, one
-CTA each, whose float32 partials are summed in range order outside the kernel
-(a fixed chain of adds). Blocks in the walk that see none of a warpgroup's keys
-(non-monotone positions) add exact zeros: every masked term is a select.
+The walk runs from the first to the last query block whose largest ``last``
+reaches the CTA's first key (``attention_triton.dkv_walks``, in XLA from the
+positions; blocks outside see none of the CTA's keys) and is cut into ranges of
+``split_rows`` query rows, one CTA each; the ranges that meet the walk store
+float32 partials, summed in range order by ``attention_triton.sum_ranges`` (a
+fixed chain of adds; the others are neither written nor read). Blocks in the walk
+that see none of a warpgroup's keys (non-monotone positions) add exact zeros: every
+masked term is a select.
 
 Garbage: ``Q`` and ``dO`` rows of queries that see no key (padding; position -1)
 are zeroed before the kernel, since ``0 * NaN`` inside a wgmma would reach every
@@ -72,8 +74,8 @@ def supported(q_shape, k_shape, dtype) -> str | None:
   return None
 
 
-def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, dk_ref,
-            dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
+def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, qend_ref,
+            dk_ref, dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
             scale2, wgs):
   q_smem, do_smem, lse_smem, delta_smem, last_smem, k_smem2, v_smem2, out_smem2 = smem
   q_loaded, do_loaded, lse_loaded, delta_loaded, last_loaded = loaded
@@ -85,9 +87,11 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
   split = lax.rem(hs, jnp.int32(n_split))
   kc = lax.axis_index("kv_seq")
   wg = lax.axis_index("wg")
-  # This CTA's query blocks: its range of the walk, from the first that sees its keys.
+  # This CTA's query blocks: its range of the walk, from the first to the last block
+  # that sees its keys.
   first = jnp.maximum(split * split_blocks, qstart_ref[b, kc])
-  n_steps = jnp.maximum(jnp.minimum((split + 1) * split_blocks, n_qb) - first, 0)
+  end = jnp.minimum(jnp.minimum((split + 1) * split_blocks, n_qb), qend_ref[b, kc])
+  n_steps = jnp.maximum(end - first, 0)
 
   @pl.when(wg < wgs)
   def _compute_wg():
@@ -144,14 +148,18 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
     # Ascending query blocks: a fixed order of float32 accumulation.
     dk, dv = lax.fori_loop(0, n_steps, step, (zeros, zeros))
     out = (split, b, pl.ds(key0, BWD_BLOCK_K), hk)
-    out_smem[...] = dk
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[out])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    out_smem[...] = dv
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, dv_ref.at[out])
-    plgpu.wait_smem_to_gmem(0)
+
+    # A range outside the walk is neither written nor read (attention_triton.sum_ranges).
+    @pl.when(n_steps > 0)
+    def _store():
+      out_smem[...] = dk
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[out])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[...] = dv
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, dv_ref.at[out])
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == wgs)
   def _memory_wg():
@@ -320,13 +328,16 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
     pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   n_kc = cdiv(s_len, wgs * BWD_BLOCK_K)
-  # First query block whose largest `last` reaches each key CTA's first key (int32 only).
-  block_last = jnp.max(last.reshape(bsz, n_qb, BWD_BLOCK_Q), axis=2)
-  cta_key0 = jnp.arange(n_kc, dtype=jnp.int32) * (wgs * BWD_BLOCK_K)
-  reaches = block_last[:, None, :] >= cta_key0[None, :, None]  # [B, n_kc, n_qb]
-  qstart = jnp.where(jnp.any(reaches, axis=2), jnp.argmax(reaches, axis=2), n_qb)
+  # The query blocks [qstart, qend) from the first to the last whose largest `last`
+  # reaches each key CTA's first key (int32 only; attention_triton.dkv_walks).
+  walks = attention_triton.dkv_walks(q_positions.astype(jnp.int32), kv_len, tq=tq,
+                                     s_len=s_len, block_q=BWD_BLOCK_Q,
+                                     block_k=wgs * BWD_BLOCK_K)
+  qstart, qend = walks[..., 0], walks[..., 1]
   split_blocks = split_rows // BWD_BLOCK_Q
   n_split = cdiv(n_qb, split_blocks)
+  # The ranges a CTA column writes: those meeting [qstart, qend) (none when it is empty).
+  ranges = jnp.stack([qstart // split_blocks, (qend + split_blocks - 1) // split_blocks], -1)
 
   tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -359,11 +370,10 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="causal_attention_dkv_mosaic",
-  )(q, d_out, k, v, lse, delta, last, qstart.astype(jnp.int32))
-  # The ranges' partials in range order: one fixed chain of float32 adds per element.
-  dk, dv = (functools.reduce(jnp.add, [p[i] for i in range(n_split)])[:, :s_len]
-            for p in (dk, dv))
-  return (dk * jnp.float32(scale)).astype(k.dtype), dv.astype(v.dtype)
+  )(q, d_out, k, v, lse, delta, last, qstart, qend)
+  # The used ranges' partials in range order: one fixed chain of float32 adds per element.
+  return attention_triton.sum_ranges(dk, dv, ranges, s_len=s_len, block_k=wgs * BWD_BLOCK_K,
+                                     scale=scale, dtype=k.dtype, interpret=False)
 
 
 def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):

@@ -29,9 +29,14 @@ number of tiles walked. A row's bits depend only on ``q[b, i, h]``,
 
 Backward (flash-attention style, from the saved base-2 logsumexp; no atomics,
 so run-to-run deterministic): ``dq`` per query block looping over key tiles;
-``dk, dv`` per key block looping over the group's query heads and all query
-blocks (blocks that see none of its keys are skipped by a ``cond``).
-``delta = rowsum(dO * O)`` comes in precomputed.
+``dk, dv`` per key block looping over the group's query heads and the query
+blocks ``[lo, hi)`` that can see it (:func:`dkv_walks`: from the first to the last
+block whose largest ``last`` reaches the key block, computed outside the kernel from
+the positions; inside, a block that sees none of its keys is still skipped by a
+``cond``, for positions that are not increasing). Long walks are cut into ranges of
+``dkv_split_rows`` rows, one program each; the float32 partials of the ranges a key
+block uses are summed in range order by a second kernel (unused ranges are neither
+written nor read). ``delta = rowsum(dO * O)`` comes in precomputed.
 """
 
 from __future__ import annotations
@@ -249,9 +254,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, tq, s_len, d, hkv, group, scale, precision, block_q, block_k,
-                split_blocks, n_split):
+def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, walk_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, tq, s_len, d, hkv, group, scale, precision, block_q,
+                block_k, split_blocks, n_split):
   dp = padded_head_dim(d)
   kb = pl.program_id(0)
   b = pl.program_id(1) // hkv
@@ -263,12 +268,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
   key_ok = _kv_tile_mask(key0, block_k, kv_len)
   k = _load_rows(k_ref, b, key0, block_k, hk, key_ok, d_ok, dp)
   v = _load_rows(v_ref, b, key0, block_k, hk, key_ok, d_ok, dp)
-  n_qb = cdiv(tq, block_q)
+  # The query blocks [lo, hi) that can see this key block (dkv_walks), for each head of
+  # the group: the walk i = g * span + (qb - lo).
+  lo = walk_ref[b, kb, 0]
+  span = jnp.maximum(walk_ref[b, kb, 1] - lo, 1)
+  total = group * (walk_ref[b, kb, 1] - lo)
 
   def q_block(i, carry):
     # lax.div/rem, not // and %: jnp's floor-mod inside a loop body failed the
     # Triton lowering on jax 0.11.2 (an i32 % i1 operand mismatch).
-    g, qb = lax.div(i, jnp.int32(n_qb)), lax.rem(i, jnp.int32(n_qb))
+    g, qb = lax.div(i, span), lo + lax.rem(i, span)
     h = hk * group + g
     row0 = qb * block_q
     last, row_ok = _last_visible(pos_ref, b, row0, block_q, kv_len, tq=tq)
@@ -286,13 +295,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
       dk = dk + _dot(ds.astype(q.dtype), q, precision, trans_a=True)
       return dk, dv
 
-    # Query blocks that see none of these keys contribute nothing: skip them.
+    # A block inside [lo, hi) that sees none of these keys (positions that are not
+    # increasing) contributes nothing: skip it.
     return lax.cond(jnp.max(last) >= key0, update, lambda c: c, carry)
 
   zeros = jnp.zeros((block_k, dp), jnp.float32)
-  # This program's range of the (head in group, query block) walk.
+  # This program's range of the walk.
   first = split * split_blocks
-  dk, dv = lax.fori_loop(first, jnp.minimum(first + split_blocks, group * n_qb), q_block,
+  dk, dv = lax.fori_loop(first, jnp.minimum(first + split_blocks, total), q_block,
                          (zeros, zeros))
   store_ok = _kv_tile_mask(key0, block_k, s_len)[:, None] & d_ok[None, :]
   if n_split == 1:
@@ -300,11 +310,81 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_re
                    (dk * jnp.float32(scale)).astype(dk_ref.dtype), mask=store_ok)
     pltriton.store(dv_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
                    dv.astype(dv_ref.dtype), mask=store_ok)
-  else:  # float32 partials [n_split, B, S, Hkv, D], summed outside in range order
+  else:
+    # float32 partials [n_split, B, S, Hkv, D]; only the ranges the walk uses are
+    # written, and only those are read (by _dkv_sum_kernel).
+    store_ok = store_ok & (first < total)
     pltriton.store(dk_ref.at[split, b, pl.ds(key0, block_k), hk, pl.ds(0, dp)], dk,
                    mask=store_ok)
     pltriton.store(dv_ref.at[split, b, pl.ds(key0, block_k), hk, pl.ds(0, dp)], dv,
                    mask=store_ok)
+
+
+def _sum_ranges_kernel(ranges_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, s_len, d,
+                       hkv, scale, block_k):
+  """``dk = scale * sum_r dk_r``, ``dv = sum_r dv_r`` over the ranges ``r`` in
+  ``[ranges[b, kb, 0], ranges[b, kb, 1])`` of key block ``kb``, in range order (one fixed
+  chain of float32 adds per element); no other range is read."""
+  dp = padded_head_dim(d)
+  kb = pl.program_id(0)
+  b = pl.program_id(1) // hkv
+  hk = pl.program_id(1) % hkv
+  key0 = kb * block_k
+  d_ok = lax.broadcasted_iota(jnp.int32, (dp,), 0) < d
+  ok = _kv_tile_mask(key0, block_k, s_len)[:, None] & d_ok[None, :]
+
+  def add(r, carry):
+    dk, dv = carry
+    idx = (r, b, pl.ds(key0, block_k), hk, pl.ds(0, dp))
+    return (dk + pltriton.load(dk_part_ref.at[idx], mask=ok, other=0),
+            dv + pltriton.load(dv_part_ref.at[idx], mask=ok, other=0))
+
+  zeros = jnp.zeros((block_k, dp), jnp.float32)
+  dk, dv = lax.fori_loop(ranges_ref[b, kb, 0], ranges_ref[b, kb, 1], add, (zeros, zeros))
+  pltriton.store(dk_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
+                 (dk * jnp.float32(scale)).astype(dk_ref.dtype), mask=ok)
+  pltriton.store(dv_ref.at[b, pl.ds(key0, block_k), hk, pl.ds(0, dp)],
+                 dv.astype(dv_ref.dtype), mask=ok)
+
+
+def sum_ranges(dk_part, dv_part, ranges, *, s_len: int, block_k: int, scale: float, dtype,
+               interpret: bool):
+  """``(scale * sum dk_r, sum dv_r)`` ``[B, s_len, H, D]`` in ``dtype``: the float32 partials
+  ``[n_ranges, B, >= s_len, H, D]`` of a dK/dV kernel summed over each ``block_k`` keys'
+  used ranges ``[ranges[b, kb, 0], ranges[b, kb, 1])`` (``ranges [B, cdiv(s_len,
+  block_k), 2]``) in range order. Ranges outside them are never read (they may hold
+  anything); a key block with an empty range gets zeros."""
+  _, bsz, _, h, d = dk_part.shape
+  out = jax.ShapeDtypeStruct((bsz, s_len, h, d), dtype)
+  return pl.pallas_call(
+      functools.partial(_sum_ranges_kernel, s_len=s_len, d=d, hkv=h, scale=scale,
+                        block_k=block_k),
+      grid=(cdiv(s_len, block_k), bsz * h),
+      out_shape=(out, out),
+      interpret=interpret,
+      name="causal_attention_dkv_sum",
+      **triton_compiler_params(4, 1, interpret),
+  )(ranges, dk_part, dv_part)
+
+
+def dkv_walks(q_positions, kv_lengths, *, tq: int, s_len: int, block_q: int, block_k: int):
+  """``[B, n_key_blocks, 2]`` int32 ``(lo, hi)``: the query blocks ``[lo, hi)`` (of
+  ``block_q`` rows) from the first to the last one whose largest ``last`` reaches key
+  block ``kb`` (keys ``[kb * block_k, (kb + 1) * block_k)``); ``(0, 0)`` when none does
+  (keys past ``kv_lengths``, or no query sees them). Causal rows in slots of one document
+  each walk only the blocks at or after the key block and before the document's end."""
+  bsz = q_positions.shape[0]
+  n_qb, n_kb = cdiv(tq, block_q), cdiv(s_len, block_k)
+  kv_len = jnp.minimum(kv_lengths, s_len)
+  last = jnp.maximum(jnp.minimum(q_positions, kv_len[:, None] - 1), -1)
+  last = jnp.pad(last, ((0, 0), (0, n_qb * block_q - tq)), constant_values=-1)
+  block_last = last.reshape(bsz, n_qb, block_q).max(axis=2)
+  key0 = jnp.arange(n_kb, dtype=jnp.int32) * block_k
+  sees = block_last[:, None, :] >= key0[None, :, None]  # [B, n_kb, n_qb]
+  lo = jnp.argmax(sees, axis=2)
+  hi = n_qb - jnp.argmax(sees[:, :, ::-1], axis=2)
+  any_ = jnp.any(sees, axis=2)
+  return jnp.stack([jnp.where(any_, lo, 0), jnp.where(any_, hi, 0)], axis=2).astype(jnp.int32)
 
 
 def delta_rows(out, d_out):
@@ -347,27 +427,30 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   delta = delta_rows(out, d_out)
   dq = backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
                    interpret=interpret, config=cfg)
-  common = dict(tq=tq, s_len=s_len, d=d, group=group, scale=scale,
-                precision=dot_precision(q.dtype, interpret))
-  args = (q, k, v, q_positions, kv_lengths, d_out, lse, delta)
+  precision = dot_precision(q.dtype, interpret)
+  walks = dkv_walks(q_positions, kv_lengths, tq=tq, s_len=s_len, block_q=cfg.dkv_block_q,
+                    block_k=cfg.dkv_block_k)
   split_blocks = cfg.dkv_split_rows // cfg.dkv_block_q
   n_split = cdiv(group * cdiv(tq, cfg.dkv_block_q), split_blocks)
   if n_split == 1:
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   else:
     out_shape = 2 * (jax.ShapeDtypeStruct((n_split, *k.shape), jnp.float32),)
+  grid = (cdiv(s_len, cfg.dkv_block_k), bsz * hkv)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, hkv=hkv, block_q=cfg.dkv_block_q, block_k=cfg.dkv_block_k,
-                        split_blocks=split_blocks, n_split=n_split, **common),
-      grid=(cdiv(s_len, cfg.dkv_block_k), bsz * hkv, n_split),
+      functools.partial(_dkv_kernel, tq=tq, s_len=s_len, d=d, hkv=hkv, group=group, scale=scale,
+                        precision=precision, block_q=cfg.dkv_block_q, block_k=cfg.dkv_block_k,
+                        split_blocks=split_blocks, n_split=n_split),
+      grid=(*grid, n_split),
       out_shape=out_shape,
       interpret=interpret,
       name="causal_attention_dkv",
       **triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
-  )(*args)
+  )(q, k, v, q_positions, kv_lengths, walks, d_out, lse, delta)
   if n_split > 1:
-    # The ranges' partials in range order: one fixed chain of float32 adds per element.
-    dk, dv = (functools.reduce(jnp.add, [p[i] for i in range(n_split)]) for p in (dk, dv))
-    dk = (dk * jnp.float32(scale)).astype(k.dtype)
-    dv = dv.astype(v.dtype)
+    # The ranges program (kb, ., r) wrote: r < cdiv(group * (hi - lo), split_blocks).
+    used = (group * (walks[..., 1] - walks[..., 0]) + split_blocks - 1) // split_blocks
+    ranges = jnp.stack([jnp.zeros_like(used), used], axis=-1)
+    dk, dv = sum_ranges(dk, dv, ranges, s_len=s_len, block_k=cfg.dkv_block_k, scale=scale,
+                        dtype=k.dtype, interpret=interpret)
   return dq, dk, dv

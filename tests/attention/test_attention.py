@@ -106,6 +106,68 @@ def test_dkv_split_over_query_ranges(block_q, split_rows):
     assert_bitwise_equal(g, h, f"d{name} run to run")
 
 
+def test_dkv_walks_are_the_blocks_that_see_each_key_block():
+  """dkv_walks: (lo, hi) spans exactly the query blocks whose rows see a key block (numpy
+  brute force), so a causal row walks from the key block on and a document slot stops at
+  its end; keys no row sees walk nothing."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  t, s_len, bq, bk = 70, 80, 16, 16
+  rng = np.random.default_rng(0)
+  pos = np.stack([np.arange(t), np.r_[np.arange(20), -np.ones(t - 20)],
+                  np.arange(t)[::-1], rng.permutation(np.r_[np.arange(t - 9), -np.ones(9)])])
+  pos = pos.astype(np.int32)
+  kvl = np.array([s_len, 20, 50, 0], np.int32)
+  walks = np.asarray(at.dkv_walks(jnp.asarray(pos), jnp.asarray(kvl), tq=t, s_len=s_len,
+                                  block_q=bq, block_k=bk))
+  n_qb, n_kb = -(-t // bq), -(-s_len // bk)
+  assert walks.shape == (4, n_kb, 2)
+  for b in range(4):
+    last = np.maximum(np.minimum(pos[b], kvl[b] - 1), -1)
+    last = np.r_[last, -np.ones(n_qb * bq - t)].reshape(n_qb, bq).max(1)
+    for kb in range(n_kb):
+      seen = np.flatnonzero(last >= kb * bk)
+      want = (seen[0], seen[-1] + 1) if seen.size else (0, 0)
+      assert tuple(walks[b, kb]) == want, (b, kb)
+  # the causal row walks from its key block on; the 20-token slot stops at its end
+  assert [tuple(w) for w in walks[0]] == [(kb, n_qb) for kb in range(n_kb)]
+  assert [tuple(w) for w in walks[1]] == [(0, 2), (1, 2)] + [(0, 0)] * (n_kb - 2)
+
+
+@pytest.mark.parametrize("split_rows", [16, 48, 4096])
+def test_dkv_walk_with_slots_shuffled_positions_and_split_ranges(split_rows):
+  """dK/dV of rows whose walks are cut short (document slots, keys past kv_lengths) or
+  hold blocks that see nothing inside [lo, hi) (decreasing and shuffled positions), with
+  ranges of 16 rows (many partials, some key blocks using none), 48 and one range: the
+  float64 reference's gradients, zero for unseen keys, the same bits run to run."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  b, t, d, hq, hkv = 4, 70, 16, 6, 2
+  q, k, v = inputs(21, b, t, t, hq, hkv, d, jnp.float32, spread=2)
+  rng = np.random.default_rng(1)
+  pos = np.stack([np.r_[np.arange(20), -np.ones(t - 20)], np.arange(t)[::-1],
+                  rng.permutation(np.r_[np.arange(t - 9), -np.ones(9)]), np.arange(t)])
+  pos = pos.astype(np.int32)
+  kvl = np.array([t, 50, t, 33], np.int32)
+  d_out = jax.random.normal(jax.random.key(22), q.shape)
+  cfg = at.BackwardConfig(dkv_block_q=16, dkv_block_k=16, dkv_split_rows=split_rows)
+
+  @jax.jit
+  def grads(q, k, v, d_out):
+    out, lse = at.forward(q, k, v, pos, kvl, scale=0.3, interpret=True)
+    return at.backward(q, k, v, pos, kvl, out, lse, d_out, scale=0.3, interpret=True,
+                       config=cfg)
+
+  got = grads(q, k, v, d_out)
+  _, ref = reference(q, k, v, pos, kvl, 0.3, d_out)
+  for name, g, r in zip("qkv", got, ref):
+    assert rel_err(g, r) <= TOL["float32"][1], name
+  assert not np.any(np.asarray(got[1][0, 20:]))  # keys no query of the slot sees
+  assert not np.any(np.asarray(got[2][3, 33:]))  # keys past kv_lengths
+  for name, g, h in zip("qkv", got, grads(q, k, v, d_out)):
+    assert_bitwise_equal(g, h, f"d{name} run to run")
+
+
 @pytest.mark.parametrize("kw", [dict(dkv_split_rows=48), dict(dkv_split_rows=0),
                                 dict(dkv_block_q=24), dict(dq_block_k=8)])
 def test_backward_config_rejects_bad_tiles(kw):
@@ -268,9 +330,12 @@ def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d):
           sd((b, tq), i32), sd((b,), i32), sd((b, tq, 2, d), bf16), sd((b, 2, tq), f32),
           sd((b, 2, tq), f32))
   fn = jax.jit(functools.partial(attention_mosaic_bwd.dkv, scale=d ** -0.5, split_rows=256))
-  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  # dK/dV's partials are summed by a Triton kernel (attention_triton.sum_ranges).
+  triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[triton_call])(*args)
   assert [a.shape for a in exported.out_avals] == [(b, s_len, 2, d)] * 2
   assert "mosaic_gpu" in exported.mlir_module()
+  assert "causal_attention_dkv_sum" in exported.mlir_module()
   fn = jax.jit(functools.partial(attention_mosaic_bwd.dq, scale=d ** -0.5))
   exported = jax.export.export(fn, platforms=["cuda"])(*args)
   assert [a.shape for a in exported.out_avals] == [(b, tq, 2, d)]
