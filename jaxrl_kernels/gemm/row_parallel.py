@@ -44,10 +44,19 @@ MERGES = ("canonical", "psum")
 # cost one launch: the Pallas GEMM of "triton"/"interpret" gains a grid axis (the same
 # program per chunk) and the CUTLASS FFI call is vmapped sequentially. Mosaic's kernel
 # (a Pallas mesh kernel) has no batching rule: its forward chunks run as one grouped launch
-# (``gemm_mosaic.grouped_matmul``, each chunk's tiles reading that chunk's weight), its
-# backward products one call per chunk. XLA's CPU dot may pick another blocking for a
-# batched dot: those run one call per chunk, as does the "xla" baseline.
+# (``gemm_mosaic.grouped_matmul``, each chunk's tiles reading that chunk's weight); its
+# backward is two whole products (``_SHAPE_FREE``). XLA's CPU dot may pick another blocking
+# for a batched dot: those run one call per chunk, as does the "xla" baseline.
 _STACKED = frozenset({"triton", "interpret", "cuda"})
+# Implementations whose every output element is its own fixed walk whatever the product's
+# M, N or reduction rows (the fixed K tiles of the Pallas kernels, by Triton's one config
+# per dtype, and Mosaic's configs, which all give the same bits; the interpreter's
+# fixed-shape tile dots): the backward's per-chunk products (the dx columns and dw rows of
+# each K chunk) are then one product over all local chunks, with the same bits and no
+# chunk-major copy of x and no concatenation. The "cpu" dots' blocking follows their
+# shapes, and the CUTLASS kernel's tiles are picked by shape: those run one product per
+# chunk (the same shapes at every TP degree).
+_SHAPE_FREE = frozenset({"triton", "interpret", "mosaic"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,19 +262,27 @@ def _bwd(st: _Static, res, g):
   g = _full_cotangent(st, g.astype(x2.dtype))
   st = _training_static(st)
   n_loc = st.local_chunks
-  kc = w.shape[0] // n_loc
-  w3 = _chunk_weights(w, n_loc, st.k_pad)
-  # Per chunk, like the forward: every TP degree runs the same products of the same shapes.
-  # dx_c = dy @ w_c^T: [M, N] x [N, K/C] (w_c [K/C, N] read as transposed; a padded
-  # chunk's zero rows give zero columns, dropped).
-  dx = _chunk_products(st, g, w3, lhs_transposed=False, rhs_transposed=True,
-                       out_dtype=x2.dtype, lhs_stacked=False, rhs_stacked=True)
-  dx = jnp.concatenate([d[:, :kc] for d in dx], axis=1)
-  # dw_c = x_c^T @ dy: a reduction over tokens, deterministic run to run.
-  dw = _chunk_products(st, _split_k(x2, n_loc, st.k_pad), g, lhs_transposed=True,
-                       rhs_transposed=False, out_dtype=w.dtype, lhs_stacked=True,
-                       rhs_stacked=False)
-  dw = jnp.concatenate([d[:kc] for d in dw], axis=0)
+  if st.implementation in _SHAPE_FREE and not st.k_pad:
+    # dx = dy @ w^T (a reduction over N) and dw = x^T @ dy (over tokens), each element with
+    # the bits of its chunk's product (see _SHAPE_FREE).
+    dx = matmul2d(g, w, lhs_transposed=False, rhs_transposed=True, out_dtype=x2.dtype,
+                  implementation=st.implementation)
+    dw = matmul2d(x2, g, lhs_transposed=True, rhs_transposed=False, out_dtype=w.dtype,
+                  implementation=st.implementation)
+  else:
+    kc = w.shape[0] // n_loc
+    w3 = _chunk_weights(w, n_loc, st.k_pad)
+    # Per chunk, like the forward: every TP degree runs the same products of the same
+    # shapes. dx_c = dy @ w_c^T: [M, N] x [N, K/C] (w_c [K/C, N] read as transposed; a
+    # padded chunk's zero rows give zero columns, dropped).
+    dx = _chunk_products(st, g, w3, lhs_transposed=False, rhs_transposed=True,
+                         out_dtype=x2.dtype, lhs_stacked=False, rhs_stacked=True)
+    dx = jnp.concatenate([d[:, :kc] for d in dx], axis=1)
+    # dw_c = x_c^T @ dy: a reduction over tokens, deterministic run to run.
+    dw = _chunk_products(st, _split_k(x2, n_loc, st.k_pad), g, lhs_transposed=True,
+                         rhs_transposed=False, out_dtype=w.dtype, lhs_stacked=True,
+                         rhs_stacked=False)
+    dw = jnp.concatenate([d[:kc] for d in dw], axis=0)
   db = None
   if bias is not None:
     # The sum of dy over tokens as a det_matmul product (ones^T @ dy): a fixed order,

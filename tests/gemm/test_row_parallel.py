@@ -20,6 +20,7 @@ import jaxrl_kernels as jk
 from jaxrl_kernels import contract, det_matmul, row_parallel_matmul
 from jaxrl_kernels._compat import shard_map
 from jaxrl_kernels.gemm import row_parallel as row_parallel_module
+from jaxrl_kernels.gemm.api import matmul2d
 from jaxrl_kernels.gemm.reference import matmul_reference
 
 M, K, N = 12, 256, 44  # N = 44: TP 2 and 4 exchange column blocks, TP 8 gathers partials
@@ -99,8 +100,10 @@ def test_unsharded_is_the_contract_written_out(dtype):
 
 
 def test_stacked_chunk_products_are_the_per_chunk_calls():
-  """"interpret" runs the C chunk products as one vmapped Pallas call (a grid axis): each
-  chunk's bits are still those of det_matmul on that chunk alone, forward and dx."""
+  """"interpret" runs the C chunk products as one vmapped Pallas call (a grid axis) and the
+  backward's as one product over all chunks for each of dx and dw (no chunk copies, no
+  concatenation): each chunk's bits are still those of det_matmul on that chunk alone,
+  forward, dx and dw, unsharded and at TP = 2."""
   x, w, b = _inputs("float32", m=5, k=64, n=16)
   out = _op(x, w, b, implementation="interpret")
   assert_bitwise_equal(out, _canonical_by_definition(x, w, b, implementation="interpret"),
@@ -114,6 +117,18 @@ def test_stacked_chunk_products_are_the_per_chunk_calls():
       [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation="interpret")
        for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
   assert_bitwise_equal(dx, dx_ref, "interpret dx")
+  # dw_c = x_c^T @ dy: the product det_matmul's own backward runs (x_c read transposed)
+  dw_ref = jax.jit(lambda: jnp.concatenate(
+      [matmul2d(x[:, c * kc:(c + 1) * kc], cot, lhs_transposed=True, rhs_transposed=False,
+                out_dtype=w.dtype, implementation="interpret")
+       for c in range(contract.ROW_PARALLEL_CHUNKS)], 0))()
+  assert_bitwise_equal(dw, dw_ref, "interpret dw")
+  grads2 = _grads(_sharded(2, implementation="interpret"), x, w, b, cot)
+  for name, g, r in zip(("dx", "dw", "dbias"), grads2, (dx, dw, db)):
+    assert_bitwise_equal(g, r, f"interpret TP=2 {name}")
+  backward = str(jax.make_jaxpr(jax.grad(
+      lambda x: jnp.sum(row_parallel_matmul(x, w, b, implementation="interpret") * cot)))(x))
+  assert "concatenate" not in backward  # the whole dx product, not the chunks' columns
   c64, x64 = np.asarray(cot, np.float64), np.asarray(x, np.float64)
   assert rel_err(dw, x64.T @ c64) <= TOL["float32"][1]
   assert rel_err(db, c64.sum(0)) <= TOL["float32"][1]
@@ -335,9 +350,10 @@ def _expected_plan(impl, k):
 @pytest.mark.parametrize("impl,k,n", _GPU_CASES)
 def test_gpu_kernels_follow_the_contract(impl, k, n):
   """Each GPU implementation (one vmapped launch for Triton and CUTLASS, one grouped launch
-  for the Mosaic forward, one launch per chunk for the Mosaic backward) gives each chunk
-  the bits of det_matmul on that chunk alone: the forward (primal and differentiated), dx,
-  and rows at M = 1, 64, 1000."""
+  for the Mosaic forward; the backward's dx and dw as one product each over all chunks on
+  Triton and Mosaic, per chunk on CUTLASS) gives each chunk the bits of det_matmul on that
+  chunk alone: the forward (primal and differentiated), dx, dw, and rows at M = 1, 64,
+  1000."""
   kc = k // contract.ROW_PARALLEL_CHUNKS
   run, pad = _expected_plan(impl, k)
   assert row_parallel_module._chunk_plan(impl, jnp.bfloat16, n, kc) == (run, pad)
@@ -357,6 +373,12 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
       [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=bwd)
        for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
   assert_bitwise_equal(vjp(cot)[0], dx_ref, f"{impl} dx")
+  _, vjp_w = jax.vjp(lambda w: row_parallel_matmul(x, w, b, implementation=impl), w)
+  dw_ref = jax.jit(lambda: jnp.concatenate(
+      [matmul2d(x[:, c * kc:(c + 1) * kc], cot, lhs_transposed=True, rhs_transposed=False,
+                out_dtype=w.dtype, implementation=bwd)
+       for c in range(contract.ROW_PARALLEL_CHUNKS)], 0))()
+  assert_bitwise_equal(vjp_w(cot)[0], dw_ref, f"{impl} dw")
   assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
 
 
