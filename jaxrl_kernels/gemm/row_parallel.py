@@ -150,18 +150,20 @@ def _chunk_weights(w, n: int, k_pad: int = 0) -> jax.Array:
   return jnp.pad(w3, ((0, 0), (0, k_pad), (0, 0))) if k_pad else w3
 
 
-# A differentiated call (training) runs a padded plan's chunks unpadded on the Triton kernel,
-# forward and backward (one launch for the C chunks); the primal (rollout: prefill and
-# decode) keeps the padded Mosaic plan. The bits are the same either way (every kernel runs
-# the contract's products). On an H100 (Qwen2.5-0.5B, 8192 tokens) the padded Mosaic
-# backward's narrow [K/C + pad]-wide products (dx columns, dw rows) took the training step
-# to 146 ms against 122 ms stock, and the padded forward with its pad copies cost ~5 ms per
-# step more than the unpadded Triton forward.
+# A differentiated call (training) runs a padded plan's forward chunks unpadded on the
+# Triton kernel (one launch for the C chunks); the primal (rollout: prefill and decode)
+# keeps the padded Mosaic plan. The bits are the same either way (every kernel runs the
+# contract's products). On an H100 (Qwen2.5-0.5B, 8192 tokens) the padded forward with its
+# pad copies cost ~5 ms per step more than the unpadded Triton forward. The backward of a
+# padded plan stays on its kernel as two whole products of the padded layout
+# (``_whole_products``); one narrow [K/C + pad]-wide product per chunk took that step to
+# 146 ms against 122 ms stock.
 _TRAINING_OF_PADDED = {"mosaic": "triton"}
 
 
 def _training_static(st: _Static) -> _Static:
-  """The products a differentiated call runs, forward and backward (see above)."""
+  """The products a differentiated call runs: its forward, and the backward of a kernel
+  outside ``_SHAPE_FREE`` (see above)."""
   if not st.k_pad:
     return st
   return dataclasses.replace(
@@ -257,18 +259,51 @@ def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
   return _tree_all_reduce(st, g.astype(jnp.float32), lambda y, col0, width: y.astype(g.dtype))
 
 
+def _mosaic_takes_whole(m: int, k: int, n: int) -> bool:
+  """Whether the Mosaic kernel runs ``dx = dy @ w^T`` (``[m, n] x [n, k]``) and ``dw = x^T
+  @ dy`` (``[k, m] x [m, n]``) of an unpadded ``[k, n]`` weight. Its chunks may still be
+  off the K tile (a padded plan) while the whole ``k`` is not: each element's walk is over
+  ``n`` (dx) or the tokens (dw), which the padding does not touch, so the unpadded whole
+  products have the padded layout's bits, without its copies of x and of dx."""
+  dx = gemm_mosaic.supported_shape(m, k, n, gemm_mosaic.default_config(m, k, n),
+                                   lhs_transposed=False, rhs_transposed=True)
+  tokens = -(-m // contract.GEMM_TILE_K) * contract.GEMM_TILE_K  # matmul pads them
+  dw = gemm_mosaic.supported_shape(k, n, tokens, gemm_mosaic.default_config(k, n, tokens),
+                                   lhs_transposed=True, rhs_transposed=False)
+  return dx is None and dw is None
+
+
+def _whole_products(st: _Static, x2, w, g):
+  """``(dx, dw)`` as one product each over all local chunks on a ``_SHAPE_FREE`` kernel:
+  ``dx = dy @ w^T`` (a reduction over N) and ``dw = x^T @ dy`` (over tokens), each element
+  with the bits of its chunk's product. A padded plan multiplies the padded layout (each
+  chunk's K rows followed by ``k_pad`` zero rows: whole products of full width, where one
+  narrow product per chunk was slow) and drops the padding's zero columns and rows."""
+  m, k = x2.shape
+  n_loc, pad = st.local_chunks, st.k_pad
+  kw = dict(implementation=st.implementation)
+  if pad and st.implementation == "mosaic" and _mosaic_takes_whole(m, k, w.shape[1]):
+    pad = 0  # the same elements without the padded copies (see _mosaic_takes_whole)
+  if not pad:
+    return (matmul2d(g, w, lhs_transposed=False, rhs_transposed=True, out_dtype=x2.dtype, **kw),
+            matmul2d(x2, g, lhs_transposed=True, rhs_transposed=False, out_dtype=w.dtype, **kw))
+  kc = k // n_loc
+  w_pad = _chunk_weights(w, n_loc, pad).reshape(n_loc * (kc + pad), w.shape[1])
+  x_pad = jnp.pad(x2.reshape(m, n_loc, kc), ((0, 0), (0, 0), (0, pad))).reshape(m, -1)
+  dx = matmul2d(g, w_pad, lhs_transposed=False, rhs_transposed=True, out_dtype=x2.dtype, **kw)
+  dw = matmul2d(x_pad, g, lhs_transposed=True, rhs_transposed=False, out_dtype=w.dtype, **kw)
+  return (dx.reshape(m, n_loc, kc + pad)[:, :, :kc].reshape(m, k),
+          dw.reshape(n_loc, kc + pad, -1)[:, :kc].reshape(k, -1))
+
+
 def _bwd(st: _Static, res, g):
   x2, w, bias = res
   g = _full_cotangent(st, g.astype(x2.dtype))
-  st = _training_static(st)
+  if st.implementation not in _SHAPE_FREE:
+    st = _training_static(st)
   n_loc = st.local_chunks
-  if st.implementation in _SHAPE_FREE and not st.k_pad:
-    # dx = dy @ w^T (a reduction over N) and dw = x^T @ dy (over tokens), each element with
-    # the bits of its chunk's product (see _SHAPE_FREE).
-    dx = matmul2d(g, w, lhs_transposed=False, rhs_transposed=True, out_dtype=x2.dtype,
-                  implementation=st.implementation)
-    dw = matmul2d(x2, g, lhs_transposed=True, rhs_transposed=False, out_dtype=w.dtype,
-                  implementation=st.implementation)
+  if st.implementation in _SHAPE_FREE:
+    dx, dw = _whole_products(st, x2, w, g)
   else:
     kc = w.shape[0] // n_loc
     w3 = _chunk_weights(w, n_loc, st.k_pad)

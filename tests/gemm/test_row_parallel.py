@@ -134,6 +134,19 @@ def test_stacked_chunk_products_are_the_per_chunk_calls():
   assert rel_err(db, c64.sum(0)) <= TOL["float32"][1]
 
 
+def test_mosaic_whole_backward_drops_the_padding_where_the_whole_weight_fits():
+  """A padded Mosaic plan's backward multiplies the unpadded whole weight where Mosaic takes
+  its K (a multiple of the 64-wide tile: Qwen2.5-0.5B's 896 and 4864, and their halves at
+  TP = 2), the padded layout where it does not (the chunks' 112 and 608 at TP = 8): the
+  same elements either way (tests/gemm/test_row_parallel.py::test_gpu_kernels_follow_the_
+  contract checks the bits on a GPU)."""
+  takes = row_parallel_module._mosaic_takes_whole
+  for k in (4864, 896, 2432, 448):
+    assert takes(8192, k, 896) and takes(1000, k, 896), k
+  for k in (608, 112, 900):
+    assert not takes(8192, k, 896), k
+
+
 @pytest.mark.parametrize("impl", ["cpu", "interpret"])
 def test_zero_padded_chunks_give_the_same_bits(impl, monkeypatch):
   """The layout a chunk K off the K tile runs on Mosaic (``_chunk_plan``): each chunk and its
@@ -365,19 +378,23 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
     assert_bitwise_equal(_op(x[:m], w, b, implementation=impl), full[:m], f"{impl} M={m}")
   cot = jax.random.normal(jax.random.key(1), (1000, n)).astype(jnp.bfloat16)
   trained, vjp = jax.vjp(lambda x: row_parallel_matmul(x, w, b, implementation=impl), x)
-  # A differentiated call runs a padded plan's chunks unpadded on Triton, forward and
-  # backward: its forward is the primal's bits.
+  # A differentiated call runs a padded plan's forward chunks unpadded on Triton: its
+  # forward is the primal's bits.
   assert_bitwise_equal(trained, full, f"{impl} forward under differentiation")
-  bwd = "triton" if pad else run
+  # The backward: each chunk's dx columns and dw rows are the chunk's products on the plan's
+  # kernel (a padded plan: of the padded chunk, its zero columns / rows dropped).
+  c_ = contract.ROW_PARALLEL_CHUNKS
+  w3 = row_parallel_module._chunk_weights(w, c_, pad)
+  x3 = row_parallel_module._split_k(x, c_, pad)
+  kw = dict(out_dtype=jnp.bfloat16, implementation=run)
   dx_ref = jax.jit(lambda: jnp.concatenate(
-      [det_matmul(cot, w[c * kc:(c + 1) * kc], transpose_b=True, implementation=bwd)
-       for c in range(contract.ROW_PARALLEL_CHUNKS)], -1))()
+      [matmul2d(cot, w3[c], lhs_transposed=False, rhs_transposed=True, **kw)[:, :kc]
+       for c in range(c_)], -1))()
   assert_bitwise_equal(vjp(cot)[0], dx_ref, f"{impl} dx")
   _, vjp_w = jax.vjp(lambda w: row_parallel_matmul(x, w, b, implementation=impl), w)
   dw_ref = jax.jit(lambda: jnp.concatenate(
-      [matmul2d(x[:, c * kc:(c + 1) * kc], cot, lhs_transposed=True, rhs_transposed=False,
-                out_dtype=w.dtype, implementation=bwd)
-       for c in range(contract.ROW_PARALLEL_CHUNKS)], 0))()
+      [matmul2d(x3[c], cot, lhs_transposed=True, rhs_transposed=False, **kw)[:kc]
+       for c in range(c_)], 0))()
   assert_bitwise_equal(vjp_w(cot)[0], dw_ref, f"{impl} dw")
   assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
 
