@@ -76,6 +76,26 @@ def test_gradients_match_float64_reference(dtype, hq, hkv):
   assert not np.any(np.asarray(grads[2][1, 60:], np.float32))
 
 
+def _triton_grads_checked(q, k, v, pos, kvl, d_out, cfg):
+  """The interpreted Triton kernels' (dq, dk, dv) under backward config ``cfg`` (scale 0.3),
+  checked against the float64 reference's gradients and for the same bits run to run."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  @jax.jit
+  def grads(q, k, v, d_out):
+    out, lse = at.forward(q, k, v, pos, kvl, scale=0.3, interpret=True)
+    return at.backward(q, k, v, pos, kvl, out, lse, d_out, scale=0.3, interpret=True,
+                       config=cfg)
+
+  got = grads(q, k, v, d_out)
+  _, ref = reference(q, k, v, pos, kvl, 0.3, d_out)
+  for name, g, r in zip("qkv", got, ref):
+    assert rel_err(g, r) <= TOL["float32"][1], name
+  for name, g, h in zip("qkv", got, grads(q, k, v, d_out)):
+    assert_bitwise_equal(g, h, f"d{name} run to run")
+  return got
+
+
 @pytest.mark.parametrize("block_q,split_rows", [(32, 32), (32, 96), (64, 64), (64, 4096)])
 def test_dkv_split_over_query_ranges(block_q, split_rows):
   """dK/dV with the (head, query block) walk cut into ranges of ``split_rows`` rows, one
@@ -90,20 +110,8 @@ def test_dkv_split_over_query_ranges(block_q, split_rows):
   kvl = np.array([t, 60], np.int32)
   d_out = jax.random.normal(jax.random.key(12), q.shape)
   cfg = at.BackwardConfig(dkv_block_q=block_q, dkv_split_rows=split_rows)
-
-  @jax.jit
-  def grads(q, k, v, d_out):
-    out, lse = at.forward(q, k, v, pos, kvl, scale=0.3, interpret=True)
-    return at.backward(q, k, v, pos, kvl, out, lse, d_out, scale=0.3, interpret=True,
-                       config=cfg)
-
-  got = grads(q, k, v, d_out)
-  _, ref = reference(q, k, v, pos, kvl, 0.3, d_out)
-  for name, g, r in zip("qkv", got, ref):
-    assert rel_err(g, r) <= TOL["float32"][1], name
+  got = _triton_grads_checked(q, k, v, pos, kvl, d_out, cfg)
   assert not np.any(np.asarray(got[1][1, 60:]))  # keys past kv_lengths: zero gradient
-  for name, g, h in zip("qkv", got, grads(q, k, v, d_out)):
-    assert_bitwise_equal(g, h, f"d{name} run to run")
 
 
 def test_dkv_walks_are_the_blocks_that_see_each_key_block():
@@ -151,21 +159,9 @@ def test_dkv_walk_with_slots_shuffled_positions_and_split_ranges(split_rows):
   kvl = np.array([t, 50, t, 33], np.int32)
   d_out = jax.random.normal(jax.random.key(22), q.shape)
   cfg = at.BackwardConfig(dkv_block_q=16, dkv_block_k=16, dkv_split_rows=split_rows)
-
-  @jax.jit
-  def grads(q, k, v, d_out):
-    out, lse = at.forward(q, k, v, pos, kvl, scale=0.3, interpret=True)
-    return at.backward(q, k, v, pos, kvl, out, lse, d_out, scale=0.3, interpret=True,
-                       config=cfg)
-
-  got = grads(q, k, v, d_out)
-  _, ref = reference(q, k, v, pos, kvl, 0.3, d_out)
-  for name, g, r in zip("qkv", got, ref):
-    assert rel_err(g, r) <= TOL["float32"][1], name
+  got = _triton_grads_checked(q, k, v, pos, kvl, d_out, cfg)
   assert not np.any(np.asarray(got[1][0, 20:]))  # keys no query of the slot sees
   assert not np.any(np.asarray(got[2][3, 33:]))  # keys past kv_lengths
-  for name, g, h in zip("qkv", got, grads(q, k, v, d_out)):
-    assert_bitwise_equal(g, h, f"d{name} run to run")
 
 
 @pytest.mark.parametrize("kw", [dict(dkv_split_rows=48), dict(dkv_split_rows=0),
