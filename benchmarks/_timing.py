@@ -127,3 +127,57 @@ def per_step(short: list[tuple[str, float]] | None, long: list[tuple[str, float]
     if calls > 0 and t > 0:
       out += [(name, t / steps / calls)] * calls
   return out
+
+
+def trace_kernels(trace_dir: str) -> list[tuple[int, int, str]]:
+  """``[(start_ns, end_ns, name), ...]`` of the kernels (no memcpy/memset) on the first GPU
+  plane of the ``jax.profiler`` trace in ``trace_dir``, by start time; [] without one.
+
+  Reads the trace through ``jax._src.lib._profile_data`` (the profiler's own reader; a
+  private module, so this may need updating with jax)."""
+  import glob
+  import os
+
+  from jax._src.lib import _profile_data
+
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  for plane in (_profile_data.ProfileData.from_file(files[0]).planes if files else ()):
+    if plane.name.startswith("/device:GPU"):
+      events = sorted((e.start_ns, e.end_ns, e.name) for line in plane.lines
+                      for e in line.events)
+      return [e for e in events if not any(w in e[2].lower() for w in ("memcpy", "memset"))]
+  return []
+
+
+def timeline(kernels: list[tuple[int, int, str]]) -> dict:
+  """What a device timeline says (times in ns): ``span`` (first start to last end),
+  ``busy`` (time some kernel runs), ``kernel_sum`` (the kernels' own times), ``overlap``
+  (``kernel_sum - busy``: time kernels share), ``count``; Counters ``gaps`` / ``gap_count``
+  (idle time before each kernel, by the pair of kernels around it), ``by_name`` and
+  ``by_class`` (kernel time)."""
+  import collections
+
+  out = dict(span=0, busy=0, kernel_sum=0, overlap=0, count=len(kernels),
+             gaps=collections.Counter(), gap_count=collections.Counter(),
+             by_name=collections.Counter(), by_class=collections.Counter())
+  if not kernels:
+    return out
+  for start, end, name in kernels:
+    out["by_name"][name] += end - start
+    out["by_class"][kernel_class(name)] += end - start
+  cur_start, cur_end, prev = kernels[0][0], kernels[0][1], kernels[0][2]
+  for start, end, name in kernels[1:]:
+    if start > cur_end:
+      out["busy"] += cur_end - cur_start
+      pair = f"{prev[:45]} -> {name[:45]}"
+      out["gaps"][pair] += start - cur_end
+      out["gap_count"][pair] += 1
+      cur_start, cur_end = start, end
+    else:
+      cur_end = max(cur_end, end)
+    prev = name
+  out["busy"] += cur_end - cur_start
+  out["span"] = kernels[-1][1] - kernels[0][0]
+  out["kernel_sum"] = sum(out["by_name"].values())
+  out["overlap"] = out["kernel_sum"] - out["busy"]
+  return out

@@ -1,6 +1,7 @@
 """linear_logp benchmark: the fused kernels vs materialized and token-chunked XLA.
 
   PYTHONPATH=$PWD python benchmarks/linear_logp.py [--quick] [--impls mosaic,triton,xla,chunked]
+      [--impls mosaic,mosaic-noent,xla,cublas,torch,liger,cce,cce-exact]
       [--impls mosaic,mosaic:kernel=fused,mosaic:chunk=2048+dh_rows=2048,triton:kernel=gemm]
       [--shapes 8192x151936,4096x32000] [--out benchmarks/results/linear_logp_<device>.md]
       [--no-isolate]
@@ -21,7 +22,22 @@ forward and backward), ``xla`` (``h @ W``, softmax statistics, gather, entropy:
 ``jax.checkpoint`` in a ``lax.map`` over 1024-token chunks). A name may carry a
 ``BackwardConfig`` after a colon, fields joined by ``+``: ``mosaic:kernel=fused``
 (the Triton tile kernels for the backward), ``mosaic:accumulate=false+fuse_dz=false``,
-``mosaic:chunk=2048``.
+``mosaic:chunk=2048``. A name ending in ``-noent`` computes the log-probs only (no
+entropy), as the cross-entropy peers do.
+
+Reference rows, each in its own process of the same run:
+
+* ``cublas``: the GEMMs alone at ``jnp.dot`` (cuBLAS) speed, the floor of any fused op
+  made of them: forward = the logits product ``h W``; forward+backward = two logits
+  products (forward, and the backward's recomputation) + ``dZ W^T`` + ``h^T dZ``.
+* PyTorch peers on the same GPU (``torch`` and the peers' packages are benchmark-only;
+  the package never imports them): ``torch`` (materialized: bf16 ``h W^T``, float32
+  ``log_softmax``, gather and entropy), ``liger`` (Liger-Kernel's fused linear cross
+  entropy), ``cce`` (Cut Cross-Entropy's ``linear_cross_entropy``, default gradient
+  filter), ``cce-exact`` (``filter_eps=None``). The peers compute the cross-entropy (no
+  entropy), ``reduction="sum"``, weight ``[V, H]``; times from CUDA events around 10 calls
+  enqueued back to back (the JAX rows: CUPTI kernel time); their "temp" columns are the
+  measured peak above the inputs (``torch.cuda.max_memory_allocated``).
 """
 
 from __future__ import annotations
@@ -62,7 +78,8 @@ def _config(spec: str):
 def _op(spec):
   from jaxrl_kernels.linear_logp import linear_logp, xla
 
-  impl, config = _config(spec)
+  entropy = not spec.endswith("-noent")
+  impl, config = _config(spec.removesuffix("-noent"))
 
   if impl == "chunked":
     def chunked(h, w, tg):
@@ -78,13 +95,95 @@ def _op(spec):
       lp, ent = jax.lax.map(one, (h.reshape(n, TOKEN_CHUNK, -1), tg.reshape(n, TOKEN_CHUNK)))
       return lp.reshape(t), ent.reshape(t)
     return chunked
+  if not entropy:
+    return lambda h, w, tg: (linear_logp(h, w, tg, implementation=impl, config=config), 0.0)
   return lambda h, w, tg: linear_logp(h, w, tg, return_entropy=True, implementation=impl,
                                       config=config)
+
+
+def _measure_cublas(t: int, v: int) -> dict:
+  """The fused op's GEMMs alone, as ``jnp.dot`` runs them (see the module doc)."""
+  from _timing import device_ms
+
+  k = jax.random.split(jax.random.key(0), 3)
+  h = jax.random.normal(k[0], (t, H), jnp.bfloat16)
+  w = (jax.random.normal(k[1], (H, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  dz = (jax.random.normal(k[2], (t, v), jnp.float32) * 1e-3).astype(jnp.bfloat16)
+  z_ms = device_ms(jax.jit(lambda h, w: jnp.dot(h, w)), h, w)
+  dh_ms = device_ms(jax.jit(lambda dz, w: jnp.dot(dz, w.T)), dz, w)
+  dw_ms = device_ms(jax.jit(lambda h, dz: jnp.dot(h.T, dz)), h, dz)
+  return {"impl": "cublas", "t": t, "v": v, "fwd_ms": z_ms, "fb_ms": 2 * z_ms + dh_ms + dw_ms,
+          "fwd_temp": 0, "fb_temp": 0, "fwd_peak": 0, "fb_peak": 0,
+          "products_ms": {"h W": z_ms, "dZ W^T": dh_ms, "h^T dZ": dw_ms}}
+
+
+def _measure_torch(impl: str, t: int, v: int, calls: int = 10) -> dict:
+  """A PyTorch peer's forward and forward+backward on this GPU (see the module doc)."""
+  import torch
+
+  torch.manual_seed(0)
+  dev = "cuda"
+  h = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+  w = (torch.randn(v, H, device=dev) * 0.02).to(torch.bfloat16)
+  tg = torch.randint(0, v, (t,), device=dev)
+  if impl == "torch":
+    def loss(h, w):
+      lp = torch.log_softmax((h @ w.T).float(), dim=-1)
+      ent = -(lp.exp() * lp).sum(-1)
+      return lp.gather(1, tg[:, None]).sum() + 0.01 * ent.sum()
+  elif impl == "liger":
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+      LigerFusedLinearCrossEntropyLoss,
+    )
+    ce = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    loss = lambda h, w: ce(w, h, tg)  # noqa: E731
+  elif impl in ("cce", "cce-exact"):
+    from cut_cross_entropy import linear_cross_entropy
+    kw = {"filter_eps": None} if impl == "cce-exact" else {}
+    loss = lambda h, w: linear_cross_entropy(h, w, tg, reduction="sum", **kw)  # noqa: E731
+  else:
+    raise ValueError(f"unknown PyTorch implementation {impl!r}")
+
+  def fwd():
+    with torch.no_grad():
+      return loss(h, w)
+
+  hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+  def fwd_bwd():
+    hg.grad = wg.grad = None
+    loss(hg, wg).backward()
+
+  row = {"impl": impl, "t": t, "v": v}
+  for name, fn in (("fwd", fwd), ("fb", fwd_bwd)):
+    fn()
+    torch.cuda.synchronize()
+    hg.grad = wg.grad = None
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    row[name + "_peak"] = row[name + "_temp"] = torch.cuda.max_memory_allocated() - before
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+      fn()
+    end.record()
+    torch.cuda.synchronize()
+    row[name + "_ms"] = start.elapsed_time(end) / calls
+  return row
+
+
+TORCH_IMPLS = ("torch", "liger", "cce", "cce-exact")
 
 
 def _measure(impl: str, t: int, v: int) -> dict:
   """Times and memory of one (implementation, shape), in this process."""
   sys.path.insert(0, os.path.dirname(__file__))
+  if impl in TORCH_IMPLS:
+    return _measure_torch(impl, t, v)
+  if impl == "cublas":
+    return _measure_cublas(t, v)
   from _timing import device_ms
 
   k = jax.random.split(jax.random.key(0), 3)
@@ -178,7 +277,9 @@ def main():
             f"{datetime.date.today().isoformat()}; bf16, H={H}; token chunk of the chunked "
             f"baseline: {TOKEN_CHUNK}\n\nTimes are CUPTI device time (median); ratios are "
             f"against materialized XLA measured in the same run. Issue targets at T, V = "
-            f"{TARGET}: fwd <= 1.0x, fwd+bwd <= 0.7x, temporaries <= 2%.\n\n")
+            f"{TARGET}: fwd <= 1.0x, fwd+bwd <= 0.7x, temporaries <= 2%. PyTorch rows "
+            f"(torch, liger, cce): CUDA events around 10 calls enqueued back to back, temps = "
+            f"measured peak above the inputs; cublas: the GEMMs alone (module doc).\n\n")
   text = header + _table(rows, impls) + "\n"
   print(text)
   if args.out:

@@ -117,15 +117,14 @@ def _timed(fn, repeats: int, what: str) -> float:
   return (time.perf_counter() - t0) / repeats
 
 
-def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 8):
-  """The kernels of one decode step (sampler head, draw and decode_step, as the sampler's
-  loop body runs them; the kernel head's statistics merge, once per chunk of
-  ``nn.sampler.SAMPLER_CHUNK`` steps in the sampler, is left out), or None without CUPTI.
-
-  One executable: prefill, then a ``fori_loop`` over a traced number of steps (the cache
-  carried in the loop, updated in place as in the sampler); its CUPTI breakdown at
-  ``1 + steps`` steps minus the one at 1 step, per kernel name, per step. The cache is the
-  sampler's (prompt + ``new_tokens`` slots, aligned); the steps run right after the prompt."""
+def decode_loop(model: DecoderLM, prompts, lens, new_tokens: int):
+  """``f(n)``: one jitted executable running the prefill, then a ``fori_loop`` of ``n``
+  decode steps (``n`` traced: one compilation for every ``n``), the loop body as the
+  sampler's (sampler head, draw and ``decode_step``, the cache carried in the loop and updated
+  in place; the kernel head's statistics merge, once per chunk of
+  ``nn.sampler.SAMPLER_CHUNK`` steps in the sampler, is left out). The cache is the
+  sampler's (prompt + ``new_tokens`` slots, aligned); the steps run right after the prompt.
+  Differences between ``f(1 + k)`` and ``f(1)`` are ``k`` decode steps of one executable."""
   graphdef, state = nnx.split(model)
   b, p = prompts.shape
 
@@ -153,9 +152,15 @@ def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 
 
     return jax.lax.fori_loop(0, n, body, (h, cache, jnp.zeros((b,), jnp.float32)))[2]
 
-  short = kernel_breakdown(rollout, state, prompts, lens, jnp.int32(1))
-  long = kernel_breakdown(rollout, state, prompts, lens, jnp.int32(1 + steps))
-  return per_step(short, long, steps)
+  return lambda n: rollout(state, prompts, lens, jnp.int32(n))
+
+
+def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 8):
+  """The kernels of one decode step of :func:`decode_loop` (its CUPTI breakdown at
+  ``1 + steps`` steps minus the one at 1 step, per kernel name, per step), or None without
+  CUPTI."""
+  f = decode_loop(model, prompts, lens, new_tokens)
+  return per_step(kernel_breakdown(f, 1), kernel_breakdown(f, 1 + steps), steps)
 
 
 def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check: bool,

@@ -8,15 +8,12 @@ kernels around each gap. Both paths, the stock one first (as in ``train_step.py`
 
     PYTHONPATH=$PWD python benchmarks/train_step_timeline.py --preset qwen2.5-0.5b --tokens 8192
 
-Reads the trace through ``jax._src.lib._profile_data`` (the profiler's own reader; a private
-module, so this script may need updating with jax).
+Reads the trace with ``_timing.trace_kernels`` (the profiler's own, private, reader).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import os
 import sys
 import tempfile
@@ -27,45 +24,22 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import timeline, trace_kernels  # noqa: E402
 from rollout import add_model_args, preset_model, with_implementation  # noqa: E402
 from train_step import make_step, packed_batch  # noqa: E402
 
 
 def gpu_timeline(trace_dir: str, top: int) -> list[str]:
-  """Lines describing each GPU plane of the trace in ``trace_dir``."""
-  from jax._src.lib import _profile_data
-
-  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  if not files:
-    return ["  no trace file written"]
-  lines = []
-  for plane in _profile_data.ProfileData.from_file(files[0]).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    events = sorted((e.start_ns, e.end_ns, e.name) for line in plane.lines for e in line.events)
-    kernels = [e for e in events if not any(w in e[2].lower() for w in ("memcpy", "memset"))]
-    if not kernels:
-      continue
-    busy, cur_start, cur_end, prev = 0, kernels[0][0], kernels[0][1], kernels[0][2]
-    gap_ns, gap_count = collections.Counter(), collections.Counter()
-    for start, end, name in kernels[1:]:
-      if start > cur_end:
-        busy += cur_end - cur_start
-        pair = f"{prev[:45]} -> {name[:45]}"
-        gap_ns[pair] += start - cur_end
-        gap_count[pair] += 1
-        cur_start, cur_end = start, end
-      else:
-        cur_end = max(cur_end, end)
-      prev = name
-    busy += cur_end - cur_start
-    span = kernels[-1][1] - kernels[0][0]
-    lines.append(f"  {plane.name}: {len(kernels)} kernels, span {span / 1e6:.3f} ms, busy "
-                 f"{busy / 1e6:.3f} ms, idle {(span - busy) / 1e6:.3f} ms, "
-                 f"{len(events) - len(kernels)} memcpy/memset")
-    for pair, ns in gap_ns.most_common(top):
-      lines.append(f"    {ns / 1e6:8.3f} ms in {gap_count[pair]:5d} gaps  {pair}")
-  return lines or ["  no GPU plane in the trace"]
+  """Lines describing the GPU plane of the trace in ``trace_dir``."""
+  kernels = trace_kernels(trace_dir)
+  if not kernels:
+    return ["  no GPU kernels in the trace"]
+  t = timeline(kernels)
+  lines = [f"  {len(kernels)} kernels, span {t['span'] / 1e6:.3f} ms, busy "
+           f"{t['busy'] / 1e6:.3f} ms, idle {(t['span'] - t['busy']) / 1e6:.3f} ms"]
+  for pair, ns in t["gaps"].most_common(top):
+    lines.append(f"    {ns / 1e6:8.3f} ms in {t['gap_count'][pair]:5d} gaps  {pair}")
+  return lines
 
 
 def main(argv=None) -> int:
