@@ -450,7 +450,7 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
       or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                      scale=scale, interpret=False, config=config)
-  cfg = config or attention_triton.BackwardConfig()
+  cfg = config or attention_triton.default_backward_config(q.dtype, q.shape[3])
   d_out = d_out.astype(q.dtype)
   delta = attention_triton.delta_rows(out, d_out)
   dq_ = dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale)

@@ -164,6 +164,34 @@ def test_dkv_walk_with_slots_shuffled_positions_and_split_ranges(split_rows):
   assert not np.any(np.asarray(got[2][3, 33:]))  # keys past kv_lengths
 
 
+def test_default_backward_tiles_follow_dtype_and_head_dim(monkeypatch):
+  """Without a config the backward runs default_backward_config: a 64-key dQ step and 3
+  stages for 16-bit inputs whose head dim pads to 64, the general default otherwise; those
+  tiles' gradients are the float64 reference's."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  tuned = at.BackwardConfig(dq_block_k=64, num_stages=3)
+  for dtype, d, want in ((jnp.bfloat16, 64, tuned), (jnp.float16, 48, tuned),
+                         (jnp.bfloat16, 128, at.BackwardConfig()),
+                         (jnp.bfloat16, 32, at.BackwardConfig()),
+                         (jnp.float32, 64, at.BackwardConfig())):
+    assert at.default_backward_config(dtype, d) == want, (jnp.dtype(dtype).name, d)
+  b, t, d, hq, hkv = 2, 70, 64, 4, 2
+  pos = np.stack([np.arange(t), np.r_[np.arange(t - 5), -np.ones(5)]]).astype(np.int32)
+  kvl = np.array([t, 60], np.int32)
+  q, k, v = inputs(31, b, t, t, hq, hkv, d, jnp.float32, spread=2)
+  _triton_grads_checked(q, k, v, pos, kvl, jax.random.normal(jax.random.key(32), q.shape),
+                        tuned)
+  seen = []
+  real = at.backward_dq
+  monkeypatch.setattr(at, "backward_dq", lambda *a, **kw: seen.append(kw["config"]) or
+                      real(*a, **kw))
+  qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  out, lse = at.forward(qb, kb, vb, pos, kvl, scale=0.125, interpret=True)
+  at.backward(qb, kb, vb, pos, kvl, out, lse, out, scale=0.125, interpret=True)
+  assert seen == [tuned]
+
+
 @pytest.mark.parametrize("kw", [dict(dkv_split_rows=48), dict(dkv_split_rows=0),
                                 dict(dkv_block_q=24), dict(dq_block_k=8)])
 def test_backward_config_rejects_bad_tiles(kw):
