@@ -93,7 +93,8 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
 
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
             rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
-            n_col_ops: int = 0, epilogue=None, group_rows: int | None = None):
+            n_col_ops: int = 0, epilogue=None, group_rows: int | None = None,
+            chunks: int = 1):
   # refs: [row operands], [column operands], then (out,); (c, out) when
   # accumulating into ``c`` (``out = c + a @ b``); (c,) with ``in_place``:
   # ``c += a @ b`` through a mutable ref.
@@ -154,7 +155,7 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
   mosaic_loop.persistent_matmul(
       a_gmem, b_gmem, m=m, n=n, k=k, cfg=cfg.loop, lhs_transposed=lhs_transposed,
       rhs_transposed=rhs_transposed, epilogue=store, operands=operands, scratch=scratch,
-      group_rows=group_rows)
+      group_rows=group_rows, chunks=chunks)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
@@ -188,6 +189,30 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   return out[:, :m] if m_pad != m else out
 
 
+def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *, chunks: int,
+                      out_dtype, config: MosaicConfig | None = None) -> jax.Array:
+  """The row-parallel product in one launch: ``lhs [M, C Kc]`` (the ``C`` K chunks side by
+  side, ``Kc`` a multiple of ``TILE_K``), ``rhs [C Kc, N]`` -> ``[M, N]`` in ``out_dtype``:
+  ``(((P0 + P1) + (P2 + P3)) + ...) + bias``, one rounding, ``P_c = lhs_c @ rhs_c`` each the
+  instructions of ``matmul`` on that chunk (``mosaic_loop.persistent_matmul``'s
+  ``chunks``): the bits of the chunk products summed by ``row_parallel.pairwise_tree``,
+  with no float32 partials in memory."""
+  k = lhs.shape[1]
+  if rhs.shape[0] != k or k % (chunks * TILE_K):
+    raise ValueError(f"chunk_tree_matmul: rhs must be [{k}, N] and K ({k}) {chunks} chunks "
+                     f"of a multiple of {TILE_K}, got rhs {rhs.shape}")
+  # 64 x 64 accumulators: the 3 pending tiles of 8 chunks take 48 KiB of shared memory per
+  # warpgroup next to 3 pipeline stages.
+  cfg = config or MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
+                               max_concurrent_steps=3)
+  if bias is None:
+    return matmul(lhs, rhs, lhs_transposed=False, rhs_transposed=False, out_dtype=out_dtype,
+                  config=cfg, chunks=chunks)
+  return matmul(lhs, rhs, lhs_transposed=False, rhs_transposed=False, out_dtype=out_dtype,
+                config=cfg, chunks=chunks, col_operands=(bias.astype(jnp.float32),),
+                epilogue=lambda z, rows, cols, ids: z + cols[0])
+
+
 def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int) -> MosaicConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
   epi = min(cfg.epi_tile_m, cfg.tile_m) * min(cfg.epi_tile_n, cfg.tile_n)
@@ -219,7 +244,7 @@ def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed
 def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
            out_dtype, config: MosaicConfig | None = None,
            acc: jax.Array | None = None, epilogue=None, row_operands=(),
-           col_operands=()) -> jax.Array:
+           col_operands=(), chunks: int = 1) -> jax.Array:
   """``op(lhs) @ op(rhs)`` on Hopper; shapes as in ``gemm_triton.matmul``.
 
   With ``acc`` (float32 ``[M, N]``, and ``out_dtype`` float32) the result is
@@ -277,7 +302,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   kernel = functools.partial(_kernel, m=m_run, n=n, k=k, cfg=cfg,
                              lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed,
                              n_row_ops=len(row_operands), n_col_ops=len(col_operands),
-                             epilogue=epilogue)
+                             epilogue=epilogue, chunks=chunks)
   vec = (*row_operands, *col_operands)
   if acc is not None and hasattr(jax, "new_ref"):
     # In place through a mutable ref (jax >= 0.11): the kernel's output aliases

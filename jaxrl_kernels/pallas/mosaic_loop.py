@@ -151,10 +151,36 @@ def _transpose(ref):
   return ref.transpose((1, 0))
 
 
+def _fold_chunk(acc_ref, pending, c, ends, chunks: int, levels: int) -> None:
+  """At the end of chunk ``c`` (``ends``): fold the accumulator into the chunk tree (see
+  :func:`persistent_matmul`). ``pending`` ``[levels, tile_m, tile_n]`` float32 holds the
+  pending tiles, oldest first: before chunk ``c``'s fold there are popcount(c) of them,
+  and the fold takes the trailing-one count of ``c`` of them, newest first. The
+  accumulator restarts from zero for the next chunk, or holds the tree's value after the
+  last one."""
+  layout = plgpu.Layout.WGMMA
+  held = sum(lax.rem(lax.div(c, 1 << i), 2) for i in range(levels))  # popcount(c)
+  take = sum(((c + 1) % (2 << i) == 0).astype(jnp.int32) for i in range(levels))
+
+  @pl.when(ends)
+  def _():
+    for i in range(levels):  # newest pending first: acc = pending[held - 1 - i] + acc
+      @pl.when(i < take)
+      def _(i=i):
+        slot = jnp.maximum(held - 1 - i, 0)
+        acc_ref[...] = plgpu.load(pending, (slot,), layout=layout) + acc_ref[...]
+
+    @pl.when(c < chunks - 1)
+    def _():
+      pending.at[held - take][...] = acc_ref[...]
+      acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
 def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig,
                       lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
                       operands: Sequence[tuple[Any, str]] = (),
-                      scratch: dict | None = None, group_rows: int | None = None) -> None:
+                      scratch: dict | None = None, group_rows: int | None = None,
+                      chunks: int = 1) -> None:
   """The body of a persistent GEMM kernel, up to the epilogue.
 
   For every CTA tile of ``op(A) @ op(B)`` (``op(A)`` ``[M, K]``: ``a_gmem`` is
@@ -187,6 +213,15 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   ``[g K, (g + 1) K)`` of ``b_gmem``); ``k`` must be a multiple of ``TILE_K``, so no K
   tile reaches into the next weight. Each tile runs the instructions of the ungrouped
   product of its rows with its weight: the same bits.
+
+  ``chunks`` (a power of two dividing the K tiles; plain ``A`` only): the row-parallel
+  product's chunk tree (``row_parallel``'s contract). The K walk is cut into ``chunks``
+  equal runs of K tiles; each run accumulates from zero (the instructions of the chunk's own
+  product) and is folded, when it ends, into the pairwise tree
+  ``((P0+P1)+(P2+P3))+...`` like a binary counter: after run ``c``, ``S = P_c``; while
+  ``c`` has a trailing one bit, ``S = pending + S`` (the newest pending tile), then ``S``
+  is pending. The pending float32 tiles wait in shared memory (``log2 chunks`` per
+  warpgroup); the epilogue receives the whole tree's value.
   """
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
@@ -196,6 +231,12 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
     raise ValueError(f"persistent_matmul: a grouped product needs plain operands, "
                      f"group_rows ({group_rows}) a multiple of the CTA tile's {cta_m} rows "
                      f"and K ({k}) a multiple of {TILE_K}")
+  levels = chunks.bit_length() - 1
+  if chunks < 1 or chunks & (chunks - 1) or k_iters % chunks or (
+      chunks > 1 and (lhs_transposed or group_rows is not None)):
+    raise ValueError(f"persistent_matmul: chunks ({chunks}) must be a power of two dividing "
+                     f"the {k_iters} K tiles, with a plain, ungrouped A")
+  chunk_steps = k_iters // chunks
   for _, kind in operands:
     if kind not in (ROW, COL, WHOLE):
       raise ValueError(f"persistent_matmul: operand kind must be one of {(ROW, COL, WHOLE)}, "
@@ -239,6 +280,9 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
       allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
       bufs=dict(scratch or {}),
   )
+  if chunks > 1:
+    scoped["tree_smem"] = plgpu.SMEM((cfg.num_compute_wgs, levels, cfg.tile_m, cfg.tile_n),
+                                     jnp.float32)
   if operands:
     scoped["vec_smem"] = tuple(
         plgpu.SMEM((cfg.num_compute_wgs, vec_length(ref, kind)), ref.dtype)
@@ -247,7 +291,7 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                                            num_barriers=cfg.num_compute_wgs)
 
   @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-  def _scope(allocs, bufs, vec_smem=(), vec_barriers=None):
+  def _scope(allocs, bufs, vec_smem=(), vec_barriers=None, tree_smem=None):
     wg = lax.axis_index("wg")
     minor = 0 if cfg.grid_minor == "m" else 1
 
@@ -285,7 +329,6 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
           epilogue(acc, tile, vec_smem, bufs)
 
       def mma(idxs, a_smem, b_smem, acc_ref):
-        del idxs
         if lhs_transposed:
           a_op = _transpose(a_smem.at[:, wg_m])
         else:
@@ -296,6 +339,10 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
           b_op = b_smem.at[:, wg_n]
         plgpu.wgmma(acc_ref, a_op, b_op)
         plgpu.wgmma_wait(0)
+        if chunks > 1:
+          (kk,) = idxs
+          _fold_chunk(acc_ref, tree_smem.at[wg], lax.div(kk, chunk_steps),
+                      lax.rem(kk, chunk_steps) == chunk_steps - 1, chunks, levels)
         return acc_ref
 
       a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]

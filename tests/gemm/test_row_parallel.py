@@ -399,6 +399,36 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
   assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("m,kc,n,with_bias", [(1000, 128, 896, True), (1, 128, 896, False),
+                                              (64, 640, 896, False), (300, 64, 256, True)])
+def test_chunk_tree_kernel_is_the_chunk_products_and_the_tree(m, kc, n, with_bias):
+  """gemm_mosaic.chunk_tree_matmul (the C chunk products and their pairwise tree in one
+  Mosaic launch, the pending tiles in shared memory) gives the bits of matmul on each chunk
+  in float32, pairwise_tree, + bias, one rounding, on rows of wide range; a left-to-right
+  sum of the same products is the control."""
+  from jaxrl_kernels.pallas import gemm_mosaic as gm
+  c_ = contract.ROW_PARALLEL_CHUNKS
+  ks = jax.random.split(jax.random.key(m + kc), 3)
+  x = wide_rows(ks[0], m, c_ * kc, jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (c_ * kc, n)) * 0.05).astype(jnp.bfloat16)
+  b = jax.random.normal(ks[2], (n,)) if with_bias else None
+  kw = dict(lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.float32)
+  parts = jax.jit(lambda x, w: [gm.matmul(x[:, c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
+                                          **kw) for c in range(c_)])(x, w)
+  tree = row_parallel_module.pairwise_tree(parts)
+  want = (tree if b is None else tree + b).astype(jnp.bfloat16)
+  got = jax.jit(lambda x, w, b: gm.chunk_tree_matmul(x, w, b, chunks=c_,
+                                                     out_dtype=jnp.bfloat16))(x, w, b)
+  assert_bitwise_equal(got, want, "chunk tree kernel")
+  seq = functools.reduce(lambda a, p: a + p, parts)
+  seq = (seq if b is None else seq + b).astype(jnp.bfloat16)
+  if m >= 64:
+    assert not np.array_equal(bits(seq), bits(want)), "control: the order must show"
+  assert rel_err(got, matmul_reference(x, w) + (0 if b is None else np.asarray(b, np.float64))
+                 ) <= TOL["bfloat16"][0]
+
+
 @pytest.mark.gpu
 def test_gpu_ranks_subtrees_rebuild_the_unsharded_result():
   """TP emulated on one GPU in float32 (where the op's output is its float32 tree value):

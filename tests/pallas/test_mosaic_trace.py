@@ -63,3 +63,25 @@ def test_lm_head_runs_the_shared_main_loop(layout):
   for cfg in loops:
     assert (cfg.tile_n, cfg.num_compute_wgs, cfg.wg_split) == (
         linear_logp_mosaic.VOCAB_TILE, 2, "n")
+
+
+@pytest.mark.parametrize("m,kc,with_bias", [(300, 128, False), (64, 640, True)])
+def test_chunk_tree_kernel_lowers_for_cuda(m, kc, with_bias):
+  """The row-parallel chunk-tree kernel (the pending tree tiles in shared memory, folded at
+  each chunk's last K tile) builds a CUDA module on any host; its bits are tested on a Hopper
+  GPU (test_row_parallel.py::test_chunk_tree_kernel_is_the_chunk_products_and_the_tree)."""
+  fn = jax.jit(lambda x, w, b: gemm_mosaic.chunk_tree_matmul(x, w, b, chunks=8,
+                                                             out_dtype=jnp.bfloat16))
+  args = (S((m, 8 * kc), jnp.bfloat16), S((8 * kc, 896), jnp.bfloat16),
+          S((896,), jnp.float32) if with_bias else None)
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert exported.out_avals[0].shape == (m, 896)
+  assert "mosaic_gpu" in exported.mlir_module()
+  with pytest.raises(ValueError, match="chunks"):
+    jax.eval_shape(lambda x, w: gemm_mosaic.chunk_tree_matmul(
+        x, w, None, chunks=8, out_dtype=jnp.bfloat16), S((m, 8 * 96), jnp.bfloat16),
+        S((8 * 96, 896), jnp.bfloat16))
+  with pytest.raises(ValueError, match="power of two"):
+    jax.eval_shape(lambda x, w: gemm_mosaic.chunk_tree_matmul(
+        x, w, None, chunks=6, out_dtype=jnp.bfloat16), S((m, 6 * kc), jnp.bfloat16),
+        S((6 * kc, 896), jnp.bfloat16))
