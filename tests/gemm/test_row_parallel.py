@@ -397,6 +397,16 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
        for c in range(c_)], 0))()
   assert_bitwise_equal(vjp_w(cot)[0], dw_ref, f"{impl} dw")
   assert rel_err(full, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
+  # From CHUNK_TREE_MIN_ROWS rows the Mosaic forward (primal and differentiated) is one
+  # chunk-tree launch: still the contract's bits.
+  xb, _, _ = _inputs("bfloat16", m=1100, k=k, n=n, seed=3)
+  st = row_parallel_module._Static(None, 1, c_, "canonical", run, jnp.dtype(jnp.bfloat16), pad)
+  assert row_parallel_module._chunk_tree_applies(st, 1100) == (run == "mosaic")
+  big = _op(xb, w, b, implementation=impl)
+  assert_bitwise_equal(big, _canonical_by_definition(xb, w, b, implementation=run, k_pad=pad),
+                       f"{impl} at 1100 rows")
+  assert_bitwise_equal(jax.vjp(lambda x: row_parallel_matmul(x, w, b, implementation=impl),
+                               xb)[0], big, f"{impl} differentiated, 1100 rows")
 
 
 @pytest.mark.hopper
