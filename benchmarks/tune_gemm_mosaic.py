@@ -51,6 +51,19 @@ M256 = [
     C(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="n", max_concurrent_steps=6,
       grid_minor="m", grid_tile_width=2),
 ]
+# 192 x 192 CTA tiles (three compute warpgroups): weight gradients whose 128 x 256 tiles
+# leave the last wave of the 132 SMs nearly empty (896 x 9728: 266 tiles; 4864 x 896: 152).
+WIDE = [
+    C(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=8),
+    C(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m", max_concurrent_steps=4,
+      grid_minor="n", grid_tile_width=8),
+    C(tile_m=64, tile_n=192, num_compute_wgs=2, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=8),
+    C(tile_m=64, tile_n=128, num_compute_wgs=3, wg_split="m", max_concurrent_steps=4,
+      grid_minor="m", grid_tile_width=8),
+]
+LISTS = dict(small=SMALL, m256=M256, large=LARGE, wide=WIDE)
 SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336, 4096),
           (4096, 4096, 4096), (8192, 4096, 14336), (8192, 4096, 151936)]
 
@@ -63,6 +76,9 @@ def main():
                       "transposed); M, K, N are the forward's")
   p.add_argument("--all", action="store_true",
                  help="every config list for every shape (not only the list of its M)")
+  p.add_argument("--lists", default=None,
+                 help="comma-separated config lists to sweep after the shape's default config "
+                      f"(of {sorted(LISTS)}), instead of the list of its M")
   args = p.parse_args()
   shapes = SHAPES
   if args.shapes:
@@ -87,7 +103,10 @@ def main():
     configs = SMALL if om <= 64 else (M256 if om <= 512 else (MID if om <= 1024 else LARGE))
     if args.all:
       configs = list(dict.fromkeys([gm.default_config(om, n if args.product != "dA" else k,
-                                                      k), *SMALL, *M256, *LARGE]))
+                                                      k), *SMALL, *M256, *LARGE, *WIDE]))
+    elif args.lists:
+      configs = list(dict.fromkeys([gm.default_config(om, n if args.product != "dA" else k, k),
+                                    *(c for name in args.lists.split(",") for c in LISTS[name])]))
     digest0 = None
     for cfg in configs:
       try:

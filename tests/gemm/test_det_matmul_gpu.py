@@ -58,11 +58,37 @@ def test_every_mosaic_config_gives_the_same_bits():
                       max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
       gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="n",
                       max_concurrent_steps=3),
+      gm.MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
+                      max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
   ]
   outs = [bits(gm.matmul(a, b, lhs_transposed=False, rhs_transposed=False,
                          out_dtype=jnp.bfloat16, config=c)) for c in configs]
   for c, o in zip(configs[1:], outs[1:]):
     assert np.array_equal(o, outs[0]), f"{c} changed bits vs {configs[0]}"
+
+
+@pytest.mark.hopper
+def test_weight_gradient_configs_give_the_same_bits():
+  """A weight gradient ``A^T G`` over 1000 tokens (transposed lhs, float32 out): the wide
+  192 x 192 tiles of three compute warpgroups, which the default picks for such outputs,
+  against the large and the small configs; and its float64 reference."""
+  from jaxrl_kernels.pallas import gemm_mosaic as gm
+  t, m, n = 1000, 448, 640
+  a = jax.random.normal(jax.random.key(9), (t, m)).astype(jnp.bfloat16)
+  g = jax.random.normal(jax.random.key(10), (t, n)).astype(jnp.bfloat16)
+  configs = [
+      gm.MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
+                      max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
+      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+                      max_concurrent_steps=3, grid_minor="m", grid_tile_width=8),
+      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n"),
+  ]
+  outs = [np.asarray(gm.matmul(a, g, lhs_transposed=True, rhs_transposed=False,
+                               out_dtype=jnp.float32, config=c)) for c in configs]
+  for c, o in zip(configs[1:], outs[1:]):
+    assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)), f"{c} changed bits"
+  want = np.asarray(a, np.float64).T @ np.asarray(g, np.float64)
+  np.testing.assert_allclose(outs[0], want, rtol=0, atol=1e-3 * np.abs(want).max())
 
 
 @pytest.mark.hopper

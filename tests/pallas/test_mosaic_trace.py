@@ -85,3 +85,31 @@ def test_chunk_tree_kernel_lowers_for_cuda(m, kc, with_bias):
     jax.eval_shape(lambda x, w: gemm_mosaic.chunk_tree_matmul(
         x, w, None, chunks=6, out_dtype=jnp.bfloat16), S((m, 6 * kc), jnp.bfloat16),
         S((6 * kc, 896), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("out_shape,wgs", [
+    ((896, 9728), 3),    # 266 tiles of 128 x 256: 2.02 waves of 132 CTAs
+    ((4864, 896), 3),    # 152 tiles: 1.15 waves
+    ((16384, 896), 2),   # 512 tiles: 3.9 waves, nearly full
+    ((16384, 9728), 2),
+    ((1024, 14336), 2),  # 448 tiles: 3.4 waves, 85% used: 192 x 192 would be worse
+    ((2048, 3072), 2),   # 192 tiles: 192 x 192 tiles fill no more of the waves
+])
+def test_wide_tiles_only_where_large_tiles_leave_a_wave_empty(out_shape, wgs):
+  """192 x 192 CTA tiles (three compute warpgroups) where the 128 x 256 tiles fill less than
+  three quarters of their waves and the wide ones fill more; a shape's rule (the config is a
+  function of the shape alone), and the wide config builds a CUDA weight-gradient kernel."""
+  m, n = out_shape
+  cfg = gemm_mosaic.default_config(m, n, 16384)
+  assert cfg.num_compute_wgs == wgs, cfg
+  if wgs == 3:
+    assert (cfg.cta_tile_m, cfg.cta_tile_n) == (192, 192)
+    assert gemm_mosaic.wave_use(m, n, 192, 192) > 0.85 > 0.75 > gemm_mosaic.wave_use(
+        m, n, 128, 256)
+    fn = jax.jit(lambda a, g: gemm_mosaic.matmul(a, g, lhs_transposed=True,
+                                                 rhs_transposed=False, out_dtype=jnp.float32))
+    args = (S((1000, m), jnp.bfloat16), S((1000, n), jnp.bfloat16))
+    (traced,) = _traced_loops(fn, *args)
+    assert traced.num_compute_wgs == 3
+    exported = jax.export.export(fn, platforms=["cuda"])(*args)
+    assert exported.out_avals[0].shape == (m, n)
