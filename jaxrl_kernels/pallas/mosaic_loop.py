@@ -66,6 +66,8 @@ class LoopConfig:
     max_concurrent_steps: TMA pipeline depth (see :func:`pipeline_depth`).
     grid_minor: the faster-moving CTA tile index of the persistent walk ("m" or "n").
     grid_tile_width: band width of the planar snake walk.
+    tree_registers: with ``chunks`` (:func:`persistent_matmul`), how many of the chunk
+      tree's lowest levels keep their pending tile in registers (the rest in shared memory).
   """
 
   tile_m: int
@@ -75,6 +77,7 @@ class LoopConfig:
   max_concurrent_steps: int
   grid_minor: str
   grid_tile_width: int
+  tree_registers: int = 0
 
   @property
   def cta_tile_m(self) -> int:
@@ -151,28 +154,43 @@ def _transpose(ref):
   return ref.transpose((1, 0))
 
 
-def _fold_chunk(acc_ref, pending, c, ends, chunks: int, levels: int) -> None:
+def _fold_chunk(acc_ref, reg_slots, smem_slots, c, ends, chunks: int, levels: int) -> None:
   """At the end of chunk ``c`` (``ends``): fold the accumulator into the chunk tree (see
-  :func:`persistent_matmul`). ``pending`` ``[levels, tile_m, tile_n]`` float32 holds the
-  pending tiles, oldest first: before chunk ``c``'s fold there are popcount(c) of them,
-  and the fold takes the trailing-one count of ``c`` of them, newest first. The
-  accumulator restarts from zero for the next chunk, or holds the tree's value after the
-  last one."""
+  :func:`persistent_matmul`). Level ``i``'s pending tile (the sum of ``2^i`` chunks) waits
+  in slot ``i``: the register accumulators ``reg_slots`` first, then the float32
+  ``smem_slots [levels - len(reg_slots), tile_m, tile_n]``. Level ``i`` is pending after
+  chunk ``c`` exactly when bit ``i`` of ``c + 1`` is set. The fold adds the trailing-one
+  levels of ``c`` to the accumulator, lowest (newest) first, each as the left operand, then
+  parks the sum at the next level and restarts from zero, or, after the last chunk, leaves
+  the tree's value in the accumulator."""
   layout = plgpu.Layout.WGMMA
-  held = sum(lax.rem(lax.div(c, 1 << i), 2) for i in range(levels))  # popcount(c)
-  take = sum(((c + 1) % (2 << i) == 0).astype(jnp.int32) for i in range(levels))
+  n_reg = len(reg_slots)
+
+  def read(i):
+    if i < n_reg:
+      return reg_slots[i][...]
+    return plgpu.load(smem_slots, (i - n_reg,), layout=layout)
+
+  def write(i, value):
+    if i < n_reg:
+      reg_slots[i][...] = value
+    else:
+      smem_slots.at[i - n_reg][...] = value
 
   @pl.when(ends)
   def _():
-    for i in range(levels):  # newest pending first: acc = pending[held - 1 - i] + acc
-      @pl.when(i < take)
+    for i in range(levels):  # bits 0..i of c all set: level i holds the chunks before c's run
+      @pl.when(lax.rem(c + 1, 2 << i) == 0)
       def _(i=i):
-        slot = jnp.maximum(held - 1 - i, 0)
-        acc_ref[...] = plgpu.load(pending, (slot,), layout=layout) + acc_ref[...]
+        acc_ref[...] = read(i) + acc_ref[...]
 
     @pl.when(c < chunks - 1)
     def _():
-      pending.at[held - take][...] = acc_ref[...]
+      for i in range(levels):  # c has exactly i trailing ones: the sum parks at level i
+        @pl.when(lax.rem(c + 1, 2 << i) == 1 << i)
+        def _(i=i):
+          write(i, acc_ref[...])
+
       acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
@@ -220,8 +238,9 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   product) and is folded, when it ends, into the pairwise tree
   ``((P0+P1)+(P2+P3))+...`` like a binary counter: after run ``c``, ``S = P_c``; while
   ``c`` has a trailing one bit, ``S = pending + S`` (the newest pending tile), then ``S``
-  is pending. The pending float32 tiles wait in shared memory (``log2 chunks`` per
-  warpgroup); the epilogue receives the whole tree's value.
+  is pending. The pending float32 tiles (one per level, ``log2 chunks`` levels) wait in
+  registers for the lowest ``cfg.tree_registers`` levels and in shared memory for the others;
+  the epilogue receives the whole tree's value.
   """
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
@@ -237,6 +256,7 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
     raise ValueError(f"persistent_matmul: chunks ({chunks}) must be a power of two dividing "
                      f"the {k_iters} K tiles, with a plain, ungrouped A")
   chunk_steps = k_iters // chunks
+  tree_regs = min(cfg.tree_registers, levels)
   for _, kind in operands:
     if kind not in (ROW, COL, WHOLE):
       raise ValueError(f"persistent_matmul: operand kind must be one of {(ROW, COL, WHOLE)}, "
@@ -280,9 +300,9 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
       allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
       bufs=dict(scratch or {}),
   )
-  if chunks > 1:
-    scoped["tree_smem"] = plgpu.SMEM((cfg.num_compute_wgs, levels, cfg.tile_m, cfg.tile_n),
-                                     jnp.float32)
+  if levels > tree_regs:
+    scoped["tree_smem"] = plgpu.SMEM(
+        (cfg.num_compute_wgs, levels - tree_regs, cfg.tile_m, cfg.tile_n), jnp.float32)
   if operands:
     scoped["vec_smem"] = tuple(
         plgpu.SMEM((cfg.num_compute_wgs, vec_length(ref, kind)), ref.dtype)
@@ -307,9 +327,11 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
         wg_m, wg_n = slice(None), pl.ds(wg * cfg.tile_n, cfg.tile_n)
 
       def compute_context(run_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n),
-                                                            jnp.float32))
-        def _acc_scope(acc_ref):
+        acc_shape = (cfg.tile_m, cfg.tile_n)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32),
+                           reg_slots=[plgpu.ACC(acc_shape, jnp.float32)] * tree_regs)
+        def _acc_scope(acc_ref, reg_slots):
           # This warpgroup's rows and columns of the output.
           row0 = mi * cta_m + (wg * cfg.tile_m if cfg.wg_split == "m" else 0)
           col0 = ni * cta_n + (wg * cfg.tile_n if cfg.wg_split == "n" else 0)
@@ -320,7 +342,7 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
             elif kind == COL:
               src = src.at[pl.ds(col0, cfg.tile_n)]
             plgpu.copy_gmem_to_smem(src, dst.at[wg], vec_barriers.at[wg])
-          run_pipeline(acc_ref)
+          run_pipeline((acc_ref, tuple(reg_slots)))
           acc = acc_ref[...]
           if operands:
             plgpu.barrier_wait(vec_barriers.at[wg])
@@ -328,7 +350,8 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                       cta_cols=cta_n_slice, wg_rows=wg_m, wg_cols=wg_n)
           epilogue(acc, tile, vec_smem, bufs)
 
-      def mma(idxs, a_smem, b_smem, acc_ref):
+      def mma(idxs, a_smem, b_smem, carry):
+        acc_ref, reg_slots = carry
         if lhs_transposed:
           a_op = _transpose(a_smem.at[:, wg_m])
         else:
@@ -341,9 +364,10 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
         plgpu.wgmma_wait(0)
         if chunks > 1:
           (kk,) = idxs
-          _fold_chunk(acc_ref, tree_smem.at[wg], lax.div(kk, chunk_steps),
-                      lax.rem(kk, chunk_steps) == chunk_steps - 1, chunks, levels)
-        return acc_ref
+          _fold_chunk(acc_ref, reg_slots, None if tree_smem is None else tree_smem.at[wg],
+                      lax.div(kk, chunk_steps), lax.rem(kk, chunk_steps) == chunk_steps - 1,
+                      chunks, levels)
+        return carry
 
       a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
       if group_rows is not None:  # this CTA tile's weight of the stacked ones
