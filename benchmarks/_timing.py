@@ -129,9 +129,11 @@ def per_step(short: list[tuple[str, float]] | None, long: list[tuple[str, float]
   return out
 
 
-def trace_kernels(trace_dir: str) -> list[tuple[int, int, str]]:
-  """``[(start_ns, end_ns, name), ...]`` of the kernels (no memcpy/memset) on the first GPU
-  plane of the ``jax.profiler`` trace in ``trace_dir``, by start time; [] without one.
+def trace_launches(trace_dir: str) -> list[tuple[int, int, str, str]]:
+  """``[(start_ns, end_ns, name, launch), ...]`` of the kernels (no memcpy/memset) on the
+  first GPU plane of the ``jax.profiler`` trace in ``trace_dir``, by start time; [] without
+  one. ``launch``: the profiler's launch details (grid, block, registers, shared memory),
+  which tell apart launches of one kernel at different shapes or configs.
 
   Reads the trace through ``jax._src.lib._profile_data`` (the profiler's own reader; a
   private module, so this may need updating with jax)."""
@@ -143,10 +145,30 @@ def trace_kernels(trace_dir: str) -> list[tuple[int, int, str]]:
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
   for plane in (_profile_data.ProfileData.from_file(files[0]).planes if files else ()):
     if plane.name.startswith("/device:GPU"):
-      events = sorted((e.start_ns, e.end_ns, e.name) for line in plane.lines
-                      for e in line.events)
+      events = sorted((e.start_ns, e.end_ns, e.name,
+                       str(dict((k, v) for k, v in e.stats if k).get("kernel_details", "")))
+                      for line in plane.lines for e in line.events)
       return [e for e in events if not any(w in e[2].lower() for w in ("memcpy", "memset"))]
   return []
+
+
+def trace_kernels(trace_dir: str) -> list[tuple[int, int, str]]:
+  """``[(start_ns, end_ns, name), ...]``: :func:`trace_launches` without the details."""
+  return [(start, end, name) for start, end, name, _ in trace_launches(trace_dir)]
+
+
+def launch_groups(launches: list[tuple[int, int, str, str]], classes=("GEMM", "attention")
+                  ) -> list[tuple[str, str, int, int]]:
+  """``[(name, launch, calls, total_ns), ...]`` of the launches of ``classes``
+  (:func:`kernel_class`), grouped by kernel name and launch details, longest first."""
+  import collections
+
+  total, calls = collections.Counter(), collections.Counter()
+  for start, end, name, launch in launches:
+    if kernel_class(name) in classes:
+      total[name, launch] += end - start
+      calls[name, launch] += 1
+  return [(name, launch, calls[name, launch], ns) for (name, launch), ns in total.most_common()]
 
 
 def timeline(kernels: list[tuple[int, int, str]]) -> dict:
