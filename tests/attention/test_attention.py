@@ -342,6 +342,22 @@ def test_bad_dtypes():
     causal_attention(q.astype(jnp.int32), q, q, implementation=IMPL)
 
 
+@pytest.mark.parametrize("b,tq,s_len,d", [(2, 1000, 1000, 64), (64, 1, 4096, 64),
+                                          (1, 300, 77, 128)])
+def test_mosaic_forward_kernel_lowers_for_cuda(b, tq, s_len, d):
+  """The Mosaic forward (prefill and decode shapes) lowers to a CUDA module on any machine,
+  on every jax the package supports; its bits are tested on a Hopper GPU."""
+  from jaxrl_kernels.pallas import attention_mosaic
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, tq, 14, d), bf16), sd((b, s_len, 2, d), bf16), sd((b, s_len, 2, d), bf16),
+          sd((b, tq), i32), sd((b,), i32))
+  fn = jax.jit(functools.partial(attention_mosaic.forward, scale=d ** -0.5))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert [a.shape for a in exported.out_avals] == [(b, tq, 14, d), (b, 14, tq)]
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("b,tq,s_len,d", [(2, 1000, 1000, 64), (1, 300, 77, 128)])
 def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d):
   """The Mosaic dK/dV and dQ kernels lower to a CUDA module on any machine (Mosaic builds
