@@ -225,10 +225,12 @@ def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *,
                      f"of a multiple of {TILE_K}, got rhs {rhs.shape}")
   # 128 x 128 CTA tiles, 64 x 128 accumulators per warpgroup: the pending tiles of the two
   # lowest tree levels in registers, the others (one for 8 chunks) in shared memory next
-  # to 4 pipeline stages. (16384 rows, N = 896: 392 us at Kc = 640 and 76 us at Kc = 128,
-  # against 528 and 117 us with 64 x 128 CTA tiles and every pending tile in shared memory.)
+  # to 4 pipeline stages. The CTAs walk M-minor in bands of 4 column tiles, so the SMs
+  # share their A rows in L2. (16384 rows, K = 5120, N = 896: 239 us, the plain product of
+  # this tile 205 us; 391 us walking row by row.)
   cfg = config or MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
-                               max_concurrent_steps=4, tree_registers=2)
+                               max_concurrent_steps=4, grid_minor="m", grid_tile_width=4,
+                               tree_registers=2)
   if bias is None:
     return matmul(lhs, rhs, lhs_transposed=False, rhs_transposed=False, out_dtype=out_dtype,
                   config=cfg, chunks=chunks)
