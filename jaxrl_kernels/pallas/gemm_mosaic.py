@@ -109,8 +109,12 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
     return MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
                         max_concurrent_steps=4, grid_minor="m", grid_tile_width=8)
   # M = 256 with N >= 14336 (112+ tiles): 0.96-0.97x with this, 0.72-0.74x with the above.
+  # Outputs of at most 4 column tiles walk row by row (N-minor); wider ones in bands of 8
+  # row tiles. (16384 x 896 over K = 9728, a 4864 -> 896 layer's dx: 397 us against 463-483
+  # with the bands; K = 896: 45 against 51. 16384 x 4864: 199 with the bands, 208 without.)
+  minor = "n" if n <= 4 * 256 else "m"
   return MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
-                      max_concurrent_steps=3, grid_minor="m", grid_tile_width=8)
+                      max_concurrent_steps=3, grid_minor=minor, grid_tile_width=8)
 
 
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
@@ -214,22 +218,28 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
 def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *, chunks: int,
                       out_dtype, config: MosaicConfig | None = None) -> jax.Array:
   """The row-parallel product in one launch: ``lhs [M, C Kc]`` (the ``C`` K chunks side by
-  side, ``Kc`` a multiple of ``TILE_K``), ``rhs [C Kc, N]`` -> ``[M, N]`` in ``out_dtype``:
+  side), ``rhs [C Kc, N]`` -> ``[M, N]`` in ``out_dtype``:
   ``(((P0 + P1) + (P2 + P3)) + ...) + bias``, one rounding, ``P_c = lhs_c @ rhs_c`` each the
   instructions of ``matmul`` on that chunk (``mosaic_loop.persistent_matmul``'s
-  ``chunks``): the bits of the chunk products summed by ``row_parallel.pairwise_tree``,
-  with no float32 partials in memory."""
+  ``chunks``), its K zero-padded to whole ``TILE_K`` tiles: the bits of the (padded) chunk
+  products summed by ``row_parallel.pairwise_tree``, with no float32 partials in memory.
+
+  ``Kc`` a multiple of ``TILE_K``, or of 16: then the kernel reads the chunks in place
+  through chunk views (``persistent_matmul``; no padded copy of ``lhs``), in K steps of
+  ``mosaic_loop.chunk_step(Kc)`` columns."""
   k = lhs.shape[1]
-  if rhs.shape[0] != k or k % (chunks * TILE_K):
+  if rhs.shape[0] != k or k % (chunks * 16):
     raise ValueError(f"chunk_tree_matmul: rhs must be [{k}, N] and K ({k}) {chunks} chunks "
-                     f"of a multiple of {TILE_K}, got rhs {rhs.shape}")
+                     f"of a multiple of 16, got rhs {rhs.shape}")
   # 128 x 128 CTA tiles, 64 x 128 accumulators per warpgroup: the pending tiles of the two
   # lowest tree levels in registers, the others (one for 8 chunks) in shared memory next
   # to 4 pipeline stages. The CTAs walk M-minor in bands of 4 column tiles, so the SMs
   # share their A rows in L2. (16384 rows, K = 5120, N = 896: 239 us, the plain product of
   # this tile 205 us; 391 us walking row by row.)
+  # Chunk views step 32 or 16 columns: as many more stages keep the same bytes in flight.
+  steps = 4 * TILE_K // mosaic_loop.chunk_step(k // chunks)
   cfg = config or MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
-                               max_concurrent_steps=4, grid_minor="m", grid_tile_width=4,
+                               max_concurrent_steps=steps, grid_minor="m", grid_tile_width=4,
                                tree_registers=2)
   if bias is None:
     return matmul(lhs, rhs, lhs_transposed=False, rhs_transposed=False, out_dtype=out_dtype,
@@ -240,15 +250,15 @@ def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *,
 
 
 def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int,
-              chunks: int = 1) -> MosaicConfig:
-  """Lowers the pipeline depth until the CTA's buffers (with ``chunks``, the chunk tree's
-  pending tiles kept in shared memory) fit in shared memory."""
+              chunks: int = 1, tile_k: int = TILE_K) -> MosaicConfig:
+  """Lowers the pipeline depth until the CTA's buffers (K steps of ``tile_k`` columns; with
+  ``chunks``, the chunk tree's pending tiles kept in shared memory) fit in shared memory."""
   epi = min(cfg.epi_tile_m, cfg.tile_m) * min(cfg.epi_tile_n, cfg.tile_n)
   slots = min(2, (cfg.tile_m * cfg.tile_n) // epi)
   out_bytes = cfg.num_compute_wgs * slots * epi * out_itemsize
   smem_levels = max(0, chunks.bit_length() - 1 - cfg.tree_registers)
   out_bytes += cfg.num_compute_wgs * smem_levels * cfg.tile_m * cfg.tile_n * 4
-  steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, out_bytes)
+  steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, out_bytes, tile_k)
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
@@ -305,10 +315,15 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
       rhs = jnp.pad(rhs, ((0, k_pad - k_red), (0, 0)) if not rhs_transposed else
                     ((0, 0), (0, k_pad - k_red)))
       k = k_pad
+  # Chunks off the K tile run through chunk views (chunk_tree_matmul); the shape checks see
+  # the zero-padded K whose instructions they run.
+  tile_k = mosaic_loop.chunk_step(k // chunks) if chunks > 1 else TILE_K
+  views = tile_k != TILE_K
   cfg = config or default_config(m, n, k)
-  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize, chunks)
-  why = supported_shape(m, n, k, cfg, lhs_transposed=lhs_transposed,
-                        rhs_transposed=rhs_transposed)
+  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize, chunks,
+                  tile_k)
+  why = supported_shape(m, n, chunks * round_up(k // chunks, TILE_K) if views else k, cfg,
+                        lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed)
   if why is not None:
     raise ValueError(f"det_matmul(mosaic): unsupported shape: {why}")
   if acc is not None and (acc.shape != (m, n) or acc.dtype != jnp.float32
@@ -329,6 +344,9 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   for c in col_operands:
     if c.shape != (n,):
       raise ValueError(f"det_matmul(mosaic): column operands must be [{n}], got {c.shape}")
+  if views:  # [M, C, Kc] and [C, Kc, N]: reshapes, no copies
+    lhs = lhs.reshape(m_run, chunks, k // chunks)
+    rhs = rhs.reshape(chunks, k // chunks, n)
   kernel = functools.partial(_kernel, m=m_run, n=n, k=k, cfg=cfg,
                              lhs_transposed=lhs_transposed, rhs_transposed=rhs_transposed,
                              n_row_ops=len(row_operands), n_col_ops=len(col_operands),

@@ -118,11 +118,12 @@ class Tile:
 Epilogue = Callable[[Any, Tile, tuple, dict], None]
 
 
-def pipeline_depth(cfg: LoopConfig, itemsize: int, epilogue_bytes: int) -> int:
+def pipeline_depth(cfg: LoopConfig, itemsize: int, epilogue_bytes: int,
+                   tile_k: int = TILE_K) -> int:
   """``cfg.max_concurrent_steps``, lowered (not below 2) until the pipeline
-  stages (the CTA's A and B K tiles, ``itemsize`` bytes each) and the
-  epilogue's ``epilogue_bytes`` fit in :data:`SMEM_BUDGET`."""
-  stage = (cfg.cta_tile_m + cfg.cta_tile_n) * TILE_K * itemsize
+  stages (the CTA's A and B K tiles of ``tile_k`` columns, ``itemsize`` bytes each) and
+  the epilogue's ``epilogue_bytes`` fit in :data:`SMEM_BUDGET`."""
+  stage = (cfg.cta_tile_m + cfg.cta_tile_n) * tile_k * itemsize
   steps = cfg.max_concurrent_steps
   while steps > 2 and steps * stage + epilogue_bytes > SMEM_BUDGET:
     steps -= 1
@@ -148,6 +149,15 @@ def mesh(cfg: LoopConfig) -> plgpu.Mesh:
   """The persistent grid of ``cfg`` as a mesh, for ``pl.kernel`` (mutable-ref outputs; its
   ``name`` names the kernel)."""
   return plgpu.Mesh(**_grid(cfg))
+
+
+def chunk_step(kc: int) -> int:
+  """The K step of a chunk view of width ``kc``: the widest of 64, 32 and 16 columns (128, 64
+  or 32 bytes of 16-bit elements, one swizzled row) dividing it."""
+  for t in (TILE_K, 32, 16):
+    if kc % t == 0:
+      return t
+  raise ValueError(f"chunk_step: a chunk view's width ({kc}) must be a multiple of 16")
 
 
 def _transpose(ref):
@@ -241,10 +251,30 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   is pending. The pending float32 tiles (one per level, ``log2 chunks`` levels) wait in
   registers for the lowest ``cfg.tree_registers`` levels and in shared memory for the others;
   the epilogue receives the whole tree's value.
+
+  Chunk views (``chunks`` > 1): ``a_gmem`` ``[M, C, Kc]`` and ``b_gmem`` ``[C, Kc, N]`` (the
+  2-D operands reshaped, no copy), ``C = chunks``, ``k = C Kc``, for a chunk width ``Kc``
+  that is not a multiple of ``TILE_K`` but of 32 or 16 (:func:`chunk_step`). Each K step
+  then loads ``chunk_step(Kc)`` columns of one chunk (2 or 1 k16 instructions instead of 4),
+  and a chunk is ``Kc / chunk_step(Kc)`` steps: the instructions of the chunk's product over
+  its K zero-padded to whole ``TILE_K`` tiles, less the trailing k16 instructions whose
+  terms are all zeros (each adds exactly 0 to an accumulator that never holds -0), so the
+  same bits without a padded copy of ``A`` in memory.
   """
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
-  m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, TILE_K)
+  views = a_gmem.ndim == 3
+  tile_k = TILE_K
+  if views:
+    kc = a_gmem.shape[2]
+    if (chunks < 2 or lhs_transposed or rhs_transposed or group_rows is not None
+        or a_gmem.shape[1] != chunks or tuple(b_gmem.shape[:2]) != (chunks, kc)
+        or k != chunks * kc or kc % 16):
+      raise ValueError(f"persistent_matmul: chunk views need plain A [M, {chunks}, Kc] and "
+                       f"B [{chunks}, Kc, N], Kc a multiple of 16, K = {chunks} Kc; got A "
+                       f"{a_gmem.shape}, B {b_gmem.shape}, K {k}")
+    tile_k = chunk_step(kc)
+  m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, tile_k)
   if group_rows is not None and (lhs_transposed or rhs_transposed or group_rows % cta_m
                                  or k % TILE_K):
     raise ValueError(f"persistent_matmul: a grouped product needs plain operands, "
@@ -262,13 +292,24 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
       raise ValueError(f"persistent_matmul: operand kind must be one of {(ROW, COL, WHOLE)}, "
                        f"got {kind!r}")
 
-  if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
+  if views:  # [M, C, Kc] and [C, Kc, N]: step kk is chunk kk // chunk_steps
+    a_spec = plgpu.BlockSpec((cta_m, None, tile_k),
+                             lambda kk: (0, kk // chunk_steps, kk % chunk_steps),
+                             transforms=smem_transforms(tile_k, itemsize))
+    # wgmma takes both operands in one swizzle: B's columns in A's (narrower) swizzle.
+    a_tiling, a_swizzle = smem_transforms(tile_k, itemsize)
+    b_spec = plgpu.BlockSpec((None, tile_k, cta_n),
+                             lambda kk: (kk // chunk_steps, kk % chunk_steps, 0),
+                             transforms=(a_tiling, a_swizzle))
+  elif lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
     a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
                              transforms=smem_transforms(cta_m, itemsize))
   else:  # [M, K]: smem tile [cta_m, TILE_K]
     a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
                              transforms=smem_transforms(TILE_K, itemsize))
-  if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
+  if views:
+    pass
+  elif rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
     b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
                              transforms=smem_transforms(TILE_K, itemsize))
   else:  # [K, N]: smem tile [TILE_K, cta_n]
@@ -370,7 +411,9 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
         return carry
 
       a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
-      if group_rows is not None:  # this CTA tile's weight of the stacked ones
+      if views:
+        a_view, b_view = a_gmem.at[cta_m_slice], b_gmem.at[:, :, cta_n_slice]
+      elif group_rows is not None:  # this CTA tile's weight of the stacked ones
         b_view = b_gmem.at[pl.ds((mi * cta_m) // group_rows * k, k), cta_n_slice]
       elif rhs_transposed:
         b_view = b_gmem.at[cta_n_slice, :]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -411,12 +412,16 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("m,kc,n,with_bias", [(1000, 128, 896, True), (1, 128, 896, False),
-                                              (64, 640, 896, False), (300, 64, 256, True)])
+                                              (64, 640, 896, False), (300, 64, 256, True),
+                                              (1100, 608, 896, True), (2048, 112, 896, False),
+                                              (200, 48, 256, True)])
 def test_chunk_tree_kernel_is_the_chunk_products_and_the_tree(m, kc, n, with_bias):
   """gemm_mosaic.chunk_tree_matmul (the C chunk products and their pairwise tree in one
-  Mosaic launch, the pending tiles in shared memory) gives the bits of matmul on each chunk
-  in float32, pairwise_tree, + bias, one rounding, on rows of wide range; a left-to-right
-  sum of the same products is the control."""
+  Mosaic launch, the pending tiles in registers and shared memory) gives the bits of matmul
+  on each chunk zero-padded to whole K tiles in float32, pairwise_tree, + bias, one rounding,
+  on rows of wide range; a left-to-right sum of the same products is the control. Chunks off
+  the K tile (608, 112, 48: K steps of 32 and 16 columns through chunk views, no padded
+  copy) give the padded chunks' bits."""
   from jaxrl_kernels.pallas import gemm_mosaic as gm
   c_ = contract.ROW_PARALLEL_CHUNKS
   ks = jax.random.split(jax.random.key(m + kc), 3)
@@ -424,8 +429,14 @@ def test_chunk_tree_kernel_is_the_chunk_products_and_the_tree(m, kc, n, with_bia
   w = (jax.random.normal(ks[1], (c_ * kc, n)) * 0.05).astype(jnp.bfloat16)
   b = jax.random.normal(ks[2], (n,)) if with_bias else None
   kw = dict(lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.float32)
-  parts = jax.jit(lambda x, w: [gm.matmul(x[:, c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
-                                          **kw) for c in range(c_)])(x, w)
+  pad = -kc % contract.GEMM_TILE_K
+
+  def chunk(a, c, axis):
+    part = lax.slice_in_dim(a, c * kc, (c + 1) * kc, axis=axis)
+    return jnp.pad(part, [(0, pad) if d == axis else (0, 0) for d in range(2)])
+
+  parts = jax.jit(lambda x, w: [gm.matmul(chunk(x, c, 1), chunk(w, c, 0), **kw)
+                                for c in range(c_)])(x, w)
   tree = row_parallel_module.pairwise_tree(parts)
   want = (tree if b is None else tree + b).astype(jnp.bfloat16)
   got = jax.jit(lambda x, w, b: gm.chunk_tree_matmul(x, w, b, chunks=c_,

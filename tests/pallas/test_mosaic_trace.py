@@ -65,22 +65,28 @@ def test_lm_head_runs_the_shared_main_loop(layout):
         linear_logp_mosaic.VOCAB_TILE, 2, "n")
 
 
-@pytest.mark.parametrize("m,kc,with_bias", [(300, 128, False), (64, 640, True)])
+@pytest.mark.parametrize("m,kc,with_bias", [(300, 128, False), (64, 640, True),
+                                            (1024, 608, True), (1024, 112, False)])
 def test_chunk_tree_kernel_lowers_for_cuda(m, kc, with_bias):
-  """The row-parallel chunk-tree kernel (the pending tree tiles in shared memory, folded at
-  each chunk's last K tile) builds a CUDA module on any host; its bits are tested on a Hopper
-  GPU (test_row_parallel.py::test_chunk_tree_kernel_is_the_chunk_products_and_the_tree)."""
+  """The row-parallel chunk-tree kernel (the pending tree tiles in registers and shared
+  memory, folded at each chunk's last K tile) builds a CUDA module on any host; chunks off the
+  K tile (608, 112 columns) read x and w in place through chunk views (no pad in the module).
+  Its bits are tested on a Hopper GPU
+  (test_row_parallel.py::test_chunk_tree_kernel_is_the_chunk_products_and_the_tree)."""
   fn = jax.jit(lambda x, w, b: gemm_mosaic.chunk_tree_matmul(x, w, b, chunks=8,
                                                              out_dtype=jnp.bfloat16))
   args = (S((m, 8 * kc), jnp.bfloat16), S((8 * kc, 896), jnp.bfloat16),
           S((896,), jnp.float32) if with_bias else None)
   exported = jax.export.export(fn, platforms=["cuda"])(*args)
   assert exported.out_avals[0].shape == (m, 896)
-  assert "mosaic_gpu" in exported.mlir_module()
+  module = exported.mlir_module()
+  assert "mosaic_gpu" in module
+  if m % 128 == 0:  # whole CTA tiles of rows: nothing is copied around the kernel
+    assert "stablehlo.pad" not in module
   with pytest.raises(ValueError, match="chunks"):
     jax.eval_shape(lambda x, w: gemm_mosaic.chunk_tree_matmul(
-        x, w, None, chunks=8, out_dtype=jnp.bfloat16), S((m, 8 * 96), jnp.bfloat16),
-        S((8 * 96, 896), jnp.bfloat16))
+        x, w, None, chunks=8, out_dtype=jnp.bfloat16), S((m, 8 * 40), jnp.bfloat16),
+        S((8 * 40, 896), jnp.bfloat16))
   with pytest.raises(ValueError, match="power of two"):
     jax.eval_shape(lambda x, w: gemm_mosaic.chunk_tree_matmul(
         x, w, None, chunks=6, out_dtype=jnp.bfloat16), S((m, 6 * kc), jnp.bfloat16),
@@ -113,3 +119,18 @@ def test_wide_tiles_only_where_large_tiles_leave_a_wave_empty(out_shape, wgs):
     assert traced.num_compute_wgs == 3
     exported = jax.export.export(fn, platforms=["cuda"])(*args)
     assert exported.out_avals[0].shape == (m, n)
+
+
+@pytest.mark.parametrize("out_shape,minor", [
+    ((16384, 896), "n"),    # 4 column tiles of 256: row by row
+    ((16384, 1024), "n"),
+    ((16384, 1152), "m"),   # 5 column tiles: bands of 8 row tiles
+    ((16384, 4864), "m"),
+])
+def test_narrow_outputs_walk_row_by_row(out_shape, minor):
+  """The 128 x 256 config walks outputs of at most four column tiles N-minor (row by row)
+  and wider ones in bands of row tiles (a shape's rule; every walk gives the same bits,
+  tests/gemm/test_det_matmul_gpu.py)."""
+  m, n = out_shape
+  cfg = gemm_mosaic.default_config(m, n, 4096)
+  assert (cfg.cta_tile_m, cfg.cta_tile_n, cfg.grid_minor) == (128, 256, minor)
