@@ -12,7 +12,8 @@ kernels around each gap. Both paths, the stock one first (as in ``train_step.py`
 
 ``--launches``: the GEMM and attention launches grouped by kernel and launch grid (a
 product's calls across layers share one); ``--sequence``: the first launches in order
-(a layer's products in the order the step runs them).
+(a layer's products in the order the step runs them); ``--others``: the other launches
+(XLA's fusions, reductions, copies) grouped the same way.
 
 Reads the trace with ``_timing.trace_kernels`` (the profiler's own, private, reader).
 """
@@ -35,7 +36,8 @@ from rollout import add_model_args, preset_model, with_implementation  # noqa: E
 from train_step import make_step, packed_batch  # noqa: E402
 
 
-def gpu_timeline(trace_dir: str, top: int, launches: int = 0, sequence: int = 0) -> list[str]:
+def gpu_timeline(trace_dir: str, top: int, launches: int = 0, sequence: int = 0,
+                 others: int = 0) -> list[str]:
   """Lines describing the GPU plane of the trace in ``trace_dir``."""
   events = trace_launches(trace_dir)
   if not events:
@@ -49,6 +51,11 @@ def gpu_timeline(trace_dir: str, top: int, launches: int = 0, sequence: int = 0)
   if launches:
     lines.append("  GEMM and attention launches by kernel and launch grid:")
     for name, launch, calls, ns in launch_groups(events)[:launches]:
+      lines.append(f"    {ns / 1e6:8.3f} ms {calls:5d} calls {ns / 1e3 / calls:8.1f} us  "
+                   f"{name[:40]}  {launch}")
+  if others:
+    lines.append("  the other launches (elementwise, reductions, copies) by kernel and grid:")
+    for name, launch, calls, ns in launch_groups(events, ("other", "reduction"))[:others]:
       lines.append(f"    {ns / 1e6:8.3f} ms {calls:5d} calls {ns / 1e3 / calls:8.1f} us  "
                    f"{name[:40]}  {launch}")
   if sequence:
@@ -67,6 +74,8 @@ def main(argv=None) -> int:
   ap.add_argument("--top", type=int, default=12, help="gap pairs listed per path")
   ap.add_argument("--launches", type=int, default=0,
                   help="GEMM/attention launch groups listed per path (0: none)")
+  ap.add_argument("--others", type=int, default=0,
+                  help="other (non-GEMM, non-attention) launch groups listed per path")
   ap.add_argument("--sequence", type=int, default=0,
                   help="first launches listed in order per path (0: none)")
   args = ap.parse_args(argv)
@@ -89,8 +98,8 @@ def main(argv=None) -> int:
         params, opt_state, loss = step(params, opt_state, batch)
       jax.block_until_ready(loss)
     print(f"== {name}: {args.steps} steps, {args.tokens} packed tokens", flush=True)
-    print("\n".join(gpu_timeline(trace_dir, args.top, args.launches, args.sequence)),
-          flush=True)
+    print("\n".join(gpu_timeline(trace_dir, args.top, args.launches, args.sequence,
+                                  args.others)), flush=True)
     del params, opt_state, step
   return 0
 

@@ -406,8 +406,20 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
   big = _op(xb, w, b, implementation=impl)
   assert_bitwise_equal(big, _canonical_by_definition(xb, w, b, implementation=run, k_pad=pad),
                        f"{impl} at 1100 rows")
-  assert_bitwise_equal(jax.vjp(lambda x: row_parallel_matmul(x, w, b, implementation=impl),
-                               xb)[0], big, f"{impl} differentiated, 1100 rows")
+  big_trained, big_vjp = jax.vjp(
+      lambda x, w: row_parallel_matmul(x, w, b, implementation=impl), xb, w)
+  assert_bitwise_equal(big_trained, big, f"{impl} differentiated, 1100 rows")
+  # Its backward (from the chunk tree's residual, the padded layout for a padded plan) is
+  # the chunks' products as above.
+  cot_b = jax.random.normal(jax.random.key(2), (1100, n)).astype(jnp.bfloat16)
+  xb3 = row_parallel_module._split_k(xb, c_, pad)
+  dxb, dwb = big_vjp(cot_b)
+  assert_bitwise_equal(dxb, jax.jit(lambda: jnp.concatenate(
+      [matmul2d(cot_b, w3[c], lhs_transposed=False, rhs_transposed=True, **kw)[:, :kc]
+       for c in range(c_)], -1))(), f"{impl} dx, 1100 rows")
+  assert_bitwise_equal(dwb, jax.jit(lambda: jnp.concatenate(
+      [matmul2d(xb3[c], cot_b, lhs_transposed=True, rhs_transposed=False, **kw)[:kc]
+       for c in range(c_)], 0))(), f"{impl} dw, 1100 rows")
 
 
 @pytest.mark.hopper
