@@ -293,28 +293,27 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                        f"got {kind!r}")
 
   if views:  # [M, C, Kc] and [C, Kc, N]: step kk is chunk kk // chunk_steps
+    view_transforms = smem_transforms(tile_k, itemsize)
     a_spec = plgpu.BlockSpec((cta_m, None, tile_k),
                              lambda kk: (0, kk // chunk_steps, kk % chunk_steps),
-                             transforms=smem_transforms(tile_k, itemsize))
+                             transforms=view_transforms)
     # wgmma takes both operands in one swizzle: B's columns in A's (narrower) swizzle.
-    a_tiling, a_swizzle = smem_transforms(tile_k, itemsize)
     b_spec = plgpu.BlockSpec((None, tile_k, cta_n),
                              lambda kk: (kk // chunk_steps, kk % chunk_steps, 0),
-                             transforms=(a_tiling, a_swizzle))
-  elif lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
-    a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
-                             transforms=smem_transforms(cta_m, itemsize))
-  else:  # [M, K]: smem tile [cta_m, TILE_K]
-    a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
-                             transforms=smem_transforms(TILE_K, itemsize))
-  if views:
-    pass
-  elif rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
-    b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
-                             transforms=smem_transforms(TILE_K, itemsize))
-  else:  # [K, N]: smem tile [TILE_K, cta_n]
-    b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
-                             transforms=smem_transforms(cta_n, itemsize))
+                             transforms=view_transforms)
+  else:
+    if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
+      a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
+                               transforms=smem_transforms(cta_m, itemsize))
+    else:  # [M, K]: smem tile [cta_m, TILE_K]
+      a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
+                               transforms=smem_transforms(TILE_K, itemsize))
+    if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
+      b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
+                               transforms=smem_transforms(TILE_K, itemsize))
+    else:  # [K, N]: smem tile [TILE_K, cta_n]
+      b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
+                               transforms=smem_transforms(cta_n, itemsize))
 
   def make_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -410,9 +409,9 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                       chunks, levels)
         return carry
 
-      a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice, :]
+      a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice]
       if views:
-        a_view, b_view = a_gmem.at[cta_m_slice], b_gmem.at[:, :, cta_n_slice]
+        b_view = b_gmem.at[:, :, cta_n_slice]
       elif group_rows is not None:  # this CTA tile's weight of the stacked ones
         b_view = b_gmem.at[pl.ds((mi * cta_m) // group_rows * k, k), cta_n_slice]
       elif rhs_transposed:
