@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -442,13 +441,10 @@ def test_chunk_tree_kernel_is_the_chunk_products_and_the_tree(m, kc, n, with_bia
   b = jax.random.normal(ks[2], (n,)) if with_bias else None
   kw = dict(lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.float32)
   pad = -kc % contract.GEMM_TILE_K
-
-  def chunk(a, c, axis):
-    part = lax.slice_in_dim(a, c * kc, (c + 1) * kc, axis=axis)
-    return jnp.pad(part, [(0, pad) if d == axis else (0, 0) for d in range(2)])
-
-  parts = jax.jit(lambda x, w: [gm.matmul(chunk(x, c, 1), chunk(w, c, 0), **kw)
-                                for c in range(c_)])(x, w)
+  parts = jax.jit(lambda x, w: [
+      gm.matmul(x3, w3, **kw) for x3, w3 in zip(row_parallel_module._split_k(x, c_, pad),
+                                                row_parallel_module._chunk_weights(w, c_, pad))
+  ])(x, w)
   tree = row_parallel_module.pairwise_tree(parts)
   want = (tree if b is None else tree + b).astype(jnp.bfloat16)
   got = jax.jit(lambda x, w, b: gm.chunk_tree_matmul(x, w, b, chunks=c_,
