@@ -84,8 +84,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                   help="override a config field, e.g. --set vocab_size=512 (smoke runs)")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--row-chunks", type=int, default=None,
-                  help="DecoderLM row_chunks of o/down (default: the canonical "
-                       "ROW_PARALLEL_CHUNKS, TP-invariant; 1: one det_matmul, TP = 1 only)")
+                  help="DecoderLM row_chunks of o/down (default: the model's "
+                       "canonical_row_chunks, TP-invariant; 1: one det_matmul, TP = 1 only)")
 
 
 def preset_model(args, **kw) -> DecoderLM:
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
   device = jax.devices()[0].device_kind
   lines = [
       f"# Rollout: {args.preset} shape, {cfg.num_hidden_layers} layers, {args.dtype}, "
-      f"row_chunks {model.row_chunks}", "",
+      f"row-parallel chunks (o_proj, down_proj) {model.row_parallel_chunks}", "",
       f"device {device}; jax {jax.__version__}; {datetime.date.today().isoformat()}; "
       f"{args.prompts} prompts x {args.prompt_len} tokens + {args.new_tokens} new tokens, "
       f"temperature 1; pipelined over {args.repeats} calls.", "",

@@ -159,7 +159,8 @@ def main(argv=None) -> int:
   device = jax.devices()[0].device_kind
   lines = [
       f"# Training step: {args.preset} shape, {cfg.num_hidden_layers} layers, {args.dtype}"
-      f"{', remat' if args.remat else ''}, row_chunks {model.row_chunks}", "",
+      f"{', remat' if args.remat else ''}, row-parallel chunks (o_proj, down_proj) "
+      f"{model.row_parallel_chunks}", "",
       f"device {device}; jax {jax.__version__}; {datetime.date.today().isoformat()}; "
       f"{args.tokens} packed tokens ({args.tokens // args.row_len} rows x {args.row_len}); "
       f"forward + backward through model.logp + optax AdamW; pipelined over {args.repeats} "

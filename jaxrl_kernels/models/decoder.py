@@ -15,10 +15,11 @@ the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCa
   do not depend on the other rows;
 * ``o_proj`` and ``down_proj`` (the layers a tensor-parallel model splits over
   their K axis) reduce K in the canonical row-parallel order of
-  :func:`~jaxrl_kernels.gemm.row_parallel_matmul`: ``row_chunks``
-  contiguous K chunks, each a float32 ``det_matmul``, summed by a fixed pairwise
-  tree. A model sharded over TP = 1, 2, 4, 8 (:func:`jaxrl_kernels.models.shard`)
-  reduces in the same order, so its bits are these;
+  :func:`~jaxrl_kernels.gemm.row_parallel_matmul`: contiguous K chunks
+  (``row_parallel_chunks``, by default :func:`canonical_row_chunks`), each a float32
+  ``det_matmul``, summed by a fixed pairwise tree. A model sharded over any TP degree
+  dividing them (:func:`jaxrl_kernels.models.shard`) reduces in the same order, so its
+  bits are these;
 * RMSNorm (:func:`jaxrl_kernels.nn.rms_norm`, one kernel on a GPU) sums the squares by a
   fixed pairwise tree over the feature axis (``log2 H`` halvings, the same order for
   every shape); a decode step finishes each row-parallel layer's residual add in the
@@ -371,13 +372,13 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
                rngs):
-    kw = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation,
-              row_chunks=row_chunks, rngs=rngs)
+    # row_chunks: (o_proj's, down_proj's) K chunks.
+    kw = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
     norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, implementation=implementation)
     self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
-    self.self_attn = Attention(cfg, **kw)
+    self.self_attn = Attention(cfg, row_chunks=row_chunks[0], **kw)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-    self.mlp = MLP(cfg, **kw)
+    self.mlp = MLP(cfg, row_chunks=row_chunks[1], **kw)
 
   def _rest(self, x, attn):
     x = x + self.self_attn.out(attn)
@@ -434,15 +435,49 @@ class DecoderLayer(nnx.Module):
     return x, parts, cache_k, cache_v
 
 
+_ROW_LAYERS = (("q_dim (num_attention_heads * head_dim) of o_proj", "q_dim"),
+               ("intermediate_size of down_proj", "intermediate_size"))
+
+
 def _check_row_chunks(cfg: DecoderConfig, row_chunks) -> None:
   if (not isinstance(row_chunks, int | np.integer) or isinstance(row_chunks, bool)
       or row_chunks < 1 or row_chunks & (row_chunks - 1)):
-    raise ValueError(f"DecoderLM: row_chunks must be a power of two >= 1, got {row_chunks!r}")
-  for name, k in (("q_dim (num_attention_heads * head_dim) of o_proj", cfg.q_dim),
-                  ("intermediate_size of down_proj", cfg.intermediate_size)):
+    raise ValueError(f"DecoderLM: row_chunks must be None or a power of two >= 1, got "
+                     f"{row_chunks!r}")
+  for name, field in _ROW_LAYERS:
+    k = getattr(cfg, field)
     if k % row_chunks:
       raise ValueError(f"DecoderLM: row_chunks={row_chunks} must divide the {name}, which is "
                        f"{k}; pass a smaller power of two")
+
+
+def canonical_row_chunks(cfg: DecoderConfig) -> tuple[int, int]:
+  """The K chunks of ``(o_proj, down_proj)`` that ``DecoderLM(row_chunks=None)`` runs.
+
+  Per layer (``K`` its input width): the most chunks, at most
+  ``contract.ROW_PARALLEL_CHUNKS``, that are whole K tiles (``K / C`` a multiple of
+  ``contract.GEMM_TILE_K``), and never fewer than ``t = gcd(ROW_PARALLEL_CHUNKS,
+  num_key_value_heads)``, the largest TP degree :func:`~jaxrl_kernels.models.shard` takes
+  for the model (it keeps GQA groups whole): every TP degree the model shards to divides
+  both counts, so each runs the same canonical order. Where no count in ``[t,
+  ROW_PARALLEL_CHUNKS]`` gives whole tiles, the most that divide ``K`` (their chunks
+  zero-padded to whole tiles on Hopper, the same bits). Qwen2.5-0.5B: ``(2, 4)`` (chunks
+  of 448 and 1216 columns, against 112 and 608 with 8: no padded or partial K tiles);
+  Llama-3.2-1B: ``(8, 8)``.
+  """
+  most = contract.ROW_PARALLEL_CHUNKS
+  least = math.gcd(most, cfg.num_key_value_heads)
+  out = []
+  for name, field in _ROW_LAYERS:
+    k = getattr(cfg, field)
+    counts = [c for c in (most >> i for i in range(most.bit_length()))
+              if c >= least and k % c == 0]
+    if not counts:
+      raise ValueError(f"DecoderLM: the {name} ({k}) is not a multiple of {least} (the "
+                       f"model's largest TP degree); pass row_chunks explicitly")
+    tiled = [c for c in counts if (k // c) % contract.GEMM_TILE_K == 0]
+    out.append((tiled or counts)[0])
+  return out[0], out[1]
 
 
 def layout(tokens, positions, segment_ids, max_docs, *, op: str = "DecoderLM"
@@ -504,15 +539,18 @@ class DecoderLM(nnx.Module):
     remat: recompute each layer's activations in the backward pass (``nnx.remat``)
       instead of storing them: less memory for training, the same bits.
     row_chunks: the K chunks of ``o_proj`` and ``down_proj``'s canonical
-      row-parallel order (a power of two dividing ``q_dim`` and
-      ``intermediate_size``); a model sharded over TP = p needs ``p`` to divide it.
-      ``1``: plain ``det_matmul`` (the same parameters; then only TP = 1).
+      row-parallel order. None: per layer, :func:`canonical_row_chunks` (whole K tiles
+      where the model's TP degrees allow). An int: both layers, a power of two dividing
+      ``q_dim`` and ``intermediate_size``; ``1``: plain ``det_matmul`` (the same
+      parameters; then only TP = 1). Part of the numerical contract (other chunks, other
+      bits); a model sharded over TP = p needs ``p`` to divide each layer's chunks
+      (``row_parallel_chunks``).
     rngs: initialises the weights (normal, std 0.02; norms at 1).
   """
 
   def __init__(self, config: DecoderConfig, *, dtype="float32", param_dtype=None,
                implementation: str | None = None, remat: bool = False,
-               row_chunks: int = contract.ROW_PARALLEL_CHUNKS, rngs: nnx.Rngs):
+               row_chunks: int | None = None, rngs: nnx.Rngs):
     if not isinstance(config, DecoderConfig):
       raise TypeError(f"DecoderLM: config must be a DecoderConfig, got {type(config).__name__}")
     dt = jnp.dtype(dtype)
@@ -525,15 +563,21 @@ class DecoderLM(nnx.Module):
                        f"{_backend.IMPLEMENTATIONS}, got {implementation!r}")
     if not isinstance(remat, bool):
       raise TypeError(f"DecoderLM: remat must be a bool, got {remat!r}")
-    _check_row_chunks(config, row_chunks)
+    if row_chunks is None:
+      chunks = canonical_row_chunks(config)
+    else:
+      _check_row_chunks(config, row_chunks)
+      chunks = (int(row_chunks), int(row_chunks))
     cfg = config
     self.config = cfg
     self.dtype = dt
     self.implementation = implementation
     self.remat = remat
-    self.row_chunks = int(row_chunks)
-    kw = dict(dtype=dt, param_dtype=pdt, implementation=implementation,
-              row_chunks=int(row_chunks), rngs=rngs)
+    self.row_chunks = None if row_chunks is None else int(row_chunks)
+    # (o_proj's, down_proj's) K chunks.
+    self.row_parallel_chunks = chunks
+    kw = dict(dtype=dt, param_dtype=pdt, implementation=implementation, row_chunks=chunks,
+              rngs=rngs)
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pdt,
                                   embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
     self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_kernels.contract import ROW_PARALLEL_CHUNKS
 from jaxrl_kernels.models.config import DecoderConfig, config, from_hf_dict
 from jaxrl_kernels.models.decoder import (
   DecoderLM,
@@ -202,7 +201,7 @@ def _float_dtype(name: str, value) -> jnp.dtype:
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
                     implementation: str | None = None, remat: bool = False,
-                    row_chunks: int = ROW_PARALLEL_CHUNKS) -> DecoderLM:
+                    row_chunks: int | None = None) -> DecoderLM:
   """Loads a local Hugging Face folder into a :class:`DecoderLM`.
 
   Args:
@@ -213,7 +212,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
     implementation: passed to every op (see :class:`DecoderLM`).
     remat: recompute layer activations in the backward pass.
     row_chunks: K chunks of the row-parallel layers' canonical order (see
-      :class:`DecoderLM`; 1: plain ``det_matmul``, tensor parallelism refused).
+      :class:`DecoderLM`; None: :func:`~jaxrl_kernels.models.canonical_row_chunks`; 1: plain
+      ``det_matmul``, tensor parallelism refused).
 
   Raises:
     ValueError: naming what is wrong: an unknown ``model_type`` or unsupported
@@ -321,7 +321,7 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
 
 def preset(name: str, key: jax.Array | int = 0, dtype="bfloat16", *,
            implementation: str | None = None, remat: bool = False,
-           row_chunks: int = ROW_PARALLEL_CHUNKS, **overrides) -> DecoderLM:
+           row_chunks: int | None = None, **overrides) -> DecoderLM:
   """A :class:`DecoderLM` with random weights (normal, std 0.02) at the true shape of
   ``name``: ``"qwen2.5-0.5b"``, ``"qwen2.5-1.5b"``, ``"llama-3.2-1b"``,
   ``"llama-3.1-8b"``, ``"qwen3-8b"``. ``overrides`` replace config fields (e.g.

@@ -491,16 +491,18 @@ class ShardedDecoderLM(nnx.Module):
     cfg = model.config
     tp = parallelism.size("tp")
     if tp > 1:
+      if cfg.num_key_value_heads % tp:
+        raise ValueError(f"shard: tp={tp} must divide num_key_value_heads="
+                         f"{cfg.num_key_value_heads} (GQA groups are kept whole on a device)")
+      o_chunks, down_chunks = model.row_parallel_chunks
       if model.row_chunks == 1:
         raise ValueError(f"shard: a model built with row_chunks=1 (plain det_matmul o_proj / "
                          f"down_proj) runs with tp = 1 only, got tp={tp}; build it with "
                          f"row_chunks a multiple of {tp}")
-      if model.row_chunks % tp:
-        raise ValueError(f"shard: tp={tp} must divide the model's row_chunks="
-                         f"{model.row_chunks} (the canonical row-parallel K chunks)")
-      if cfg.num_key_value_heads % tp:
-        raise ValueError(f"shard: tp={tp} must divide num_key_value_heads="
-                         f"{cfg.num_key_value_heads} (GQA groups are kept whole on a device)")
+      if o_chunks % tp or down_chunks % tp:
+        raise ValueError(f"shard: tp={tp} must divide the model's row-parallel K chunks "
+                         f"(o_proj {o_chunks}, down_proj {down_chunks}; row_chunks="
+                         f"{model.row_chunks})")
     if parallelism.tp is not None and model.implementation == "xla":
       raise ValueError("shard: implementation='xla' (the stock path) has no vocab-parallel "
                        "head; shard it with tp=None, or use merge='psum' on a kernel model "

@@ -199,7 +199,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   n = rhs.shape[2]
   if rhs.shape != (g, k, n):
     raise ValueError(f"grouped_matmul: rhs must be [G, K, N] = {(g, k, n)}, got {rhs.shape}")
-  cfg = default_config(g * m, n, k)
+  # Decode-sized products (m <= 64 rows each) take the decode tile of one product: 64 x 64
+  # CTA tiles, g N / 64 of them, each streaming its weight columns. (Qwen2.5-0.5B rollout,
+  # 64 prompts, H100: the decode step 1.652 -> 1.628 ms with 8 chunks, 1.675 -> 1.618 with
+  # the canonical (2, 4); the stacked rows' 64 x 128 tiles gave half as many CTAs.)
+  cfg = default_config(m, n, k) if m <= 64 else default_config(g * m, n, k)
   cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
   m_pad = max(cfg.cta_tile_m, round_up(m, cfg.cta_tile_m))  # whole CTA tiles, M = 0 too
   why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)

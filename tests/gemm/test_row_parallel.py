@@ -421,6 +421,19 @@ def test_gpu_kernels_follow_the_contract(impl, k, n):
        for c in range(c_)], 0))(), f"{impl} dw, 1100 rows")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,chunks", [(896, 896, 2), (4864, 896, 4)])
+def test_gpu_canonical_model_chunks_follow_the_contract(k, n, chunks):
+  """Qwen2.5-0.5B's canonical chunks (``models.canonical_row_chunks``: o_proj 2 x 448,
+  down_proj 4 x 1216, whole K tiles): decode rows (one grouped launch, the decode tile of
+  one product), 1000 rows and the chunk tree's 2048 give the definition's bits."""
+  x, w, b = _inputs("bfloat16", m=2048, k=k, n=n)
+  want = np.asarray(_canonical_by_definition(x, w, b, chunks=chunks))
+  for m in (1, 64, 1000, 2048):
+    assert_bitwise_equal(_op(x[:m], w, b, chunks=chunks), want[:m], f"chunks={chunks} M={m}")
+  assert rel_err(want, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
+
+
 @pytest.mark.hopper
 @pytest.mark.parametrize("m,kc,n,with_bias", [(1000, 128, 896, True), (1, 128, 896, False),
                                               (64, 640, 896, False), (300, 64, 256, True),

@@ -256,7 +256,8 @@ def test_bad_layouts_named_errors(f32):
                  _mesh(8, 1, 1))
   with pytest.raises(ValueError, match="row_chunks=1 .* runs with tp = 1 only, got tp=2"):
     models.shard(models.DecoderLM(_config(), row_chunks=1, rngs=nnx.Rngs(0)), _mesh(2, 1, 1))
-  with pytest.raises(ValueError, match="tp=4 must divide the model's row_chunks=2"):
+  with pytest.raises(ValueError, match=r"tp=4 must divide the model's row-parallel K chunks "
+                     r"\(o_proj 2, down_proj 2; row_chunks=2\)"):
     models.shard(models.DecoderLM(_config(), row_chunks=2, rngs=nnx.Rngs(0)), _mesh(4, 1, 1))
   with pytest.raises(ValueError, match="vocab_size=300 is too small for tp=4"):
     models.shard(models.DecoderLM(_config(vocab_size=300), rngs=nnx.Rngs(0)), _mesh(4, 1, 1))
@@ -270,10 +271,53 @@ def test_bad_layouts_named_errors(f32):
     sharded(np.zeros((6, 4), np.int32))
   with pytest.raises(ValueError, match=r"batch dimension of the cache is 2, .* dp x fsdp = 4"):
     sharded.init_cache(2, 8)
-  with pytest.raises(ValueError, match="row_chunks must be a power of two"):
+  with pytest.raises(ValueError, match="row_chunks must be None or a power of two"):
     models.DecoderLM(_config(), row_chunks=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="row_chunks=256 must divide the intermediate_size"):
     models.DecoderLM(_config(), row_chunks=256, rngs=nnx.Rngs(0))
+
+
+def test_canonical_row_chunks():
+  """Per layer the most chunks (at most 8) of whole 64-column K tiles, never fewer than the
+  model's largest TP degree gcd(8, kv heads); without whole tiles, the most that divide K."""
+  rule = models.canonical_row_chunks
+  assert rule(models.config("qwen2.5-0.5b")) == (2, 4)  # 896 / 2 = 448, 4864 / 4 = 1216
+  assert rule(models.config("qwen2.5-1.5b")) == (8, 4)  # 1536 / 8 = 192, 8960 / 4 = 2240
+  assert rule(models.config("llama-3.2-1b")) == (8, 8)
+  # 8 kv heads: at least 8 chunks, though 128 / 8 = 16 columns are not whole tiles.
+  assert rule(_config()) == (8, 8)
+  # 2 kv heads: o_proj 128 -> 2 chunks of 64, down_proj 256 -> 4 chunks of 64.
+  assert rule(_config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      intermediate_size=256)) == (2, 4)
+  # 4 kv heads and no count in [4, 8] of whole tiles: the most that divide K.
+  assert rule(_config(num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                      intermediate_size=96)) == (8, 8)
+  with pytest.raises(ValueError, match=r"intermediate_size of down_proj \(100\) is not a "
+                     r"multiple of 8"):
+    rule(_config(intermediate_size=100))
+  m = models.DecoderLM(_config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               intermediate_size=256), rngs=nnx.Rngs(0))
+  assert m.row_chunks is None and m.row_parallel_chunks == (2, 4)
+  assert [(lay.self_attn.o_proj.chunks, lay.mlp.down_proj.chunks) for lay in m.layers] == [
+      (2, 4)] * 2
+  m = models.DecoderLM(_config(), row_chunks=4, rngs=nnx.Rngs(0))
+  assert m.row_parallel_chunks == (4, 4) and m.layers[0].mlp.down_proj.chunks == 4
+
+
+def test_unequal_default_chunks_tp2_bitwise():
+  """A model whose default chunks differ by layer (o_proj 2, down_proj 4): TP = 2 gives the
+  unsharded bits, and TP = 4 is refused (it would need 4 o_proj chunks)."""
+  cfg = _config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                intermediate_size=256)
+  model = _model(cfg)
+  assert model.row_parallel_chunks == (2, 4)
+  inputs = (*_tokens(2), *_packed())
+  ref = _forward(model, *inputs)
+  got = _forward(models.shard(model, _mesh(2, 1, 1)), *inputs)
+  for name, a, b in zip(("hidden", "logp", "entropy"), got, ref, strict=True):
+    assert_bitwise_equal(a, b, f"tp=2 {name}")
+  with pytest.raises(ValueError, match="tp=4 must divide num_key_value_heads=2"):
+    models.shard(model, _mesh(4, 1, 1))
 
 
 def test_placement_and_model_untouched(f32):
