@@ -40,7 +40,9 @@ EPI_ROWS = 64
 # and the chunk partials are summed by the fixed adjacent-pair tree
 # ((P0+P1)+(P2+P3))+((P4+P5)+(P6+P7)). A TP degree p (a divisor of it) owns C/p adjacent
 # chunks, i.e. one complete subtree, so TP = 1, 2, 4, 8 and the unsharded layer give the
-# same bits. A power of two; the largest TP degree the canonical order allows.
+# same bits. A power of two; the largest TP degree the canonical order allows. A DecoderLM
+# layer runs at most this many (models.canonical_row_chunks: whole K tiles where the
+# model's TP degrees allow fewer).
 ROW_PARALLEL_CHUNKS = 8
 
 # --- attention
