@@ -316,6 +316,14 @@ def test_unequal_default_chunks_tp2_bitwise():
   got = _forward(models.shard(model, _mesh(2, 1, 1)), *inputs)
   for name, a, b in zip(("hidden", "logp", "entropy"), got, ref, strict=True):
     assert_bitwise_equal(a, b, f"tp=2 {name}")
+  # Decode (the row-parallel partials summed in the norm, the sampler's chunk weights) too:
+  # sampled at TP = 2, scored by the unsharded model.
+  prompts = np.random.default_rng(8).integers(0, V, (2, 5)).astype(np.int32)
+  res = sample(models.shard(model, _mesh(2, 1, 1)), prompts, np.array([5, 3], np.int32),
+               max_new_tokens=4, key=jax.random.key(1), temperature=0.9)
+  assert np.asarray(res.completion_mask).sum() == 2 * 4
+  assert_bitwise_equal(score(model, res.tokens, res.completion_mask, temperature=0.9),
+                       np.asarray(res.logp), "sampler TP=2 vs unsharded trainer")
   with pytest.raises(ValueError, match="tp=4 must divide num_key_value_heads=2"):
     models.shard(model, _mesh(4, 1, 1))
 
