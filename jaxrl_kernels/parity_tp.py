@@ -82,8 +82,8 @@ def check_layout(config: DecoderConfig, *, rollout_tp: int, train_fsdp: int,
                  num_devices: int) -> str | None:
   """Why ``rollout_tp`` / ``train_fsdp`` cannot run for ``config`` on ``num_devices``
   devices (a message naming the flag), or None when they can."""
-  from jaxrl_kernels import contract
   from jaxrl_kernels.linear_logp import padded_vocab_size
+  from jaxrl_kernels.models import canonical_row_chunks
 
   for flag, n in (("--rollout-tp", rollout_tp), ("--train-fsdp", train_fsdp)):
     if n > num_devices:
@@ -91,12 +91,13 @@ def check_layout(config: DecoderConfig, *, rollout_tp: int, train_fsdp: int,
               f"host mesh of {max(rollout_tp, train_fsdp)} CPU devices")
   tp = rollout_tp
   if tp > 1:
-    if contract.ROW_PARALLEL_CHUNKS % tp:
-      return (f"--rollout-tp {tp} must divide the {contract.ROW_PARALLEL_CHUNKS} canonical "
-              f"row-parallel K chunks (contract.ROW_PARALLEL_CHUNKS)")
     if config.num_key_value_heads % tp:
       return (f"--rollout-tp {tp} must divide the model's {config.num_key_value_heads} "
               f"key/value heads (GQA groups stay whole on a device)")
+    o_chunks, down_chunks = canonical_row_chunks(config)
+    if o_chunks % tp or down_chunks % tp:
+      return (f"--rollout-tp {tp} must divide the model's canonical row-parallel K chunks "
+              f"(o_proj {o_chunks}, down_proj {down_chunks}; models.canonical_row_chunks)")
     v_s = padded_vocab_size(config.vocab_size, tp) // tp
     if (tp - 1) * v_s >= config.vocab_size:
       return (f"--rollout-tp {tp} splits the model's {config.vocab_size} ids into shards of "

@@ -1,6 +1,7 @@
 """The command line end to end on this device: ``parity`` (default), ``kernels``, ``grpo-demo``;
 its manners: unknown commands, ``--version``, help text, arguments refused before any work."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -245,7 +246,7 @@ def test_bad_values_of_the_new_flags_are_argparse_errors(argv, message, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--rollout-tp", "16"], "--rollout-tp 16 needs 16 devices, JAX sees 8"),
     (["--train-fsdp", "2", "--rollout-tp", "3"],
-     "--rollout-tp 3 must divide the 8 canonical row-parallel K chunks"),
+     "--rollout-tp 3 must divide the model's 8 key/value heads"),
     (["--rollout-tp", "2", "--tp", "2"], "--tp belongs to the TinyCausalLM check"),
     (["--model", "hf:/nonexistent/folder"], "--model hf:/nonexistent/folder: "),
     (["--model-fn", "no_such_module_xyz:build"],
@@ -264,6 +265,23 @@ def test_sharded_and_model_fn_arguments_are_refused_before_any_work(argv, messag
   assert e.value.code == 2 and time.perf_counter() - t0 < 5
   out, err = capsys.readouterr()
   assert out == "" and err.count("\n") == 1 and message in err
+
+
+def test_rollout_tp_must_divide_the_models_chunks():
+  """A TP degree dividing the kv heads but not the model's canonical row-parallel chunks
+  (at most 8) is named; one dividing both passes."""
+  from jaxrl_kernels.models import config as preset_config
+  from jaxrl_kernels.parity_tp import TINY, check_layout
+
+  wide = dataclasses.replace(TINY, num_attention_heads=16, num_key_value_heads=16)
+  assert check_layout(wide, rollout_tp=16, train_fsdp=1, num_devices=16) == (
+      "--rollout-tp 16 must divide the model's canonical row-parallel K chunks (o_proj 8, "
+      "down_proj 8; models.canonical_row_chunks)")
+  assert check_layout(wide, rollout_tp=8, train_fsdp=1, num_devices=16) is None
+  qwen = preset_config("qwen2.5-0.5b")  # chunks (2, 4), 2 kv heads
+  assert check_layout(qwen, rollout_tp=2, train_fsdp=1, num_devices=8) is None
+  assert "must divide the model's 2 key/value heads" in check_layout(
+      qwen, rollout_tp=4, train_fsdp=1, num_devices=8)
 
 
 MODEL_FN = '''
