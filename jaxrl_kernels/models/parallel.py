@@ -494,11 +494,11 @@ class ShardedDecoderLM(nnx.Module):
       if cfg.num_key_value_heads % tp:
         raise ValueError(f"shard: tp={tp} must divide num_key_value_heads="
                          f"{cfg.num_key_value_heads} (GQA groups are kept whole on a device)")
-      o_chunks, down_chunks = model.row_parallel_chunks
       if model.row_chunks == 1:
         raise ValueError(f"shard: a model built with row_chunks=1 (plain det_matmul o_proj / "
                          f"down_proj) runs with tp = 1 only, got tp={tp}; build it with "
                          f"row_chunks a multiple of {tp}")
+      o_chunks, down_chunks = model.row_parallel_chunks
       if o_chunks % tp or down_chunks % tp:
         raise ValueError(f"shard: tp={tp} must divide the model's row-parallel K chunks "
                          f"(o_proj {o_chunks}, down_proj {down_chunks}; row_chunks="
