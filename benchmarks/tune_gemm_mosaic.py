@@ -63,7 +63,17 @@ WIDE = [
     C(tile_m=64, tile_n=128, num_compute_wgs=3, wg_split="m", max_concurrent_steps=4,
       grid_minor="m", grid_tile_width=8),
 ]
-LISTS = dict(small=SMALL, m256=M256, large=LARGE, wide=WIDE)
+# M <= 64 (a decode step): how many columns per CTA spread a weight stream over the SMs.
+# (32-column tiles do not compile: Mosaic's layout inference fails on the 64-byte-swizzled
+# weight tile.)
+DECODE = [
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4),
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=12),
+    C(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n", max_concurrent_steps=6),
+    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
+    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4),
+]
+LISTS = dict(small=SMALL, m256=M256, large=LARGE, wide=WIDE, decode=DECODE)
 SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336, 4096),
           (4096, 4096, 4096), (8192, 4096, 14336), (8192, 4096, 151936)]
 
