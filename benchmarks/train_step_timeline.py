@@ -48,16 +48,15 @@ def gpu_timeline(trace_dir: str, top: int, launches: int = 0, sequence: int = 0,
            f"{t['busy'] / 1e6:.3f} ms, idle {(t['span'] - t['busy']) / 1e6:.3f} ms"]
   for pair, ns in t["gaps"].most_common(top):
     lines.append(f"    {ns / 1e6:8.3f} ms in {t['gap_count'][pair]:5d} gaps  {pair}")
-  if launches:
-    lines.append("  GEMM and attention launches by kernel and launch grid:")
-    for name, launch, calls, ns in launch_groups(events)[:launches]:
-      lines.append(f"    {ns / 1e6:8.3f} ms {calls:5d} calls {ns / 1e3 / calls:8.1f} us  "
-                   f"{name[:40]}  {launch}")
-  if others:
-    lines.append("  the other launches (elementwise, reductions, copies) by kernel and grid:")
-    for name, launch, calls, ns in launch_groups(events, ("other", "reduction"))[:others]:
-      lines.append(f"    {ns / 1e6:8.3f} ms {calls:5d} calls {ns / 1e3 / calls:8.1f} us  "
-                   f"{name[:40]}  {launch}")
+  for count, title, classes in (
+      (launches, "GEMM and attention launches by kernel and launch grid:", ("GEMM", "attention")),
+      (others, "the other launches (elementwise, reductions, copies) by kernel and grid:",
+       ("other", "reduction"))):
+    if count:
+      lines.append(f"  {title}")
+      for name, launch, calls, ns in launch_groups(events, classes)[:count]:
+        lines.append(f"    {ns / 1e6:8.3f} ms {calls:5d} calls {ns / 1e3 / calls:8.1f} us  "
+                     f"{name[:40]}  {launch}")
   if sequence:
     lines.append(f"  the first {sequence} launches in order:")
     for i, (start, end, name, launch) in enumerate(events[:sequence]):
