@@ -47,7 +47,7 @@ from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels.attention import cpu, mosaic, triton
 from jaxrl_kernels.attention.base import AttentionBackend
 from jaxrl_kernels.attention.xla import causal_attention_xla
-from jaxrl_kernels.pallas import attention_triton
+from jaxrl_kernels.pallas import attention_mosaic, attention_triton
 
 _OP = "causal_attention"
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
@@ -67,12 +67,18 @@ IMPLEMENTATIONS = (*BACKENDS, "xla")
 class _Static:
   scale: float
   impl: str  # a key of BACKENDS
+  # q and the output as [B, H, Tq, D] (the Mosaic forward's ``heads_major``): a decode
+  # step's query heads reach its kernel with no copy.
+  heads_major: bool = False
 
 
 # One jitted function per kernel shape, however many layers call it (_backend.kernel_jit).
 @_backend.kernel_jit(static_argnums=(5,))
 def _forward(q, k, v, q_positions, kv_lengths, st):
   """``(out, lse2)`` of the forward kernel of ``st.impl``."""
+  if st.heads_major:
+    return attention_mosaic.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
+                                    heads_major=True)
   return BACKENDS[st.impl].forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
 
 
@@ -89,8 +95,11 @@ def _attention_fwd(q, k, v, q_positions, kv_lengths, st):
 
 @_backend.kernel_jit(static_argnums=(8,))
 def _backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, st):
-  return BACKENDS[st.impl].backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
-                                    scale=st.scale)
+  if st.heads_major:  # the backward kernels take [B, Tq, H, D]
+    q, out, d_out = (x.transpose(0, 2, 1, 3) for x in (q, out, d_out))
+  dq, dk, dv = BACKENDS[st.impl].backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
+                                          scale=st.scale)
+  return (dq.transpose(0, 2, 1, 3) if st.heads_major else dq), dk, dv
 
 
 def _attention_bwd(st, res, d_out):
@@ -231,6 +240,13 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
   bsz, tq, hq, d = q.shape
   hkv = k.shape[2]
   group = hq // hkv
+  if tq == 1 and st.impl == "mosaic":
+    # One query per row: [B, 1, Hkv * G, D] is [B, Hkv, G, D] in memory, each KV head's
+    # G query heads its rows (heads-major), a reshape rather than a transposed copy.
+    rows = q.reshape(bsz, hkv, group, d)
+    out = _attention(rows, k, v, jnp.repeat(q_positions, group, axis=1), kv_lengths,
+                     dataclasses.replace(st, heads_major=True))
+    return out.reshape(bsz, 1, hq, d)
   if group == 1:
     return _attention(q, k, v, q_positions, kv_lengths, st)
   rows = q.reshape(bsz, tq, hkv, group, d).transpose(0, 1, 3, 2, 4).reshape(

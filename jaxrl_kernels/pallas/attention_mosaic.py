@@ -22,7 +22,10 @@ registers as the wgmma lhs:
 
 The two warpgroups ping-pong through a schedule barrier so that one's softmax
 overlaps the other's wgmma. Query blocks are scheduled heaviest first (causal
-work grows with the block index).
+work grows with the block index). A decode step with more (batch entry, kv head)
+CTAs than SMs runs two *lanes* per CTA instead (``lanes_for``): each compute
+warpgroup works alone on its own batch entry through its own K/V ring, the
+producer filling both rings.
 
 The invariance contract (the same argument as ``attention_triton``):
 ``BLOCK_Q``, ``KEY_TILE`` and the instruction sequence per warpgroup are fixed
@@ -64,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import contract
-from jaxrl_kernels.pallas._common import LOG2E, cdiv, round_up
+from jaxrl_kernels.pallas._common import DEFAULT_NUM_SMS, LOG2E, cdiv, round_up
 
 # The contract's constants: query rows per compute warpgroup (the wgmma M),
 # and the key tile walked in ascending order from key 0. A decode step pads
@@ -97,30 +100,56 @@ def compute_wgs_for(rows: int) -> int:
   return 1 if rows <= BLOCK_Q else NUM_COMPUTE_WGS
 
 
+def lanes_for(rows: int, bsz: int, heads: int, d: int) -> int:
+  """Batch entries per CTA, each on its own compute warpgroup with its own K/V ring.
+
+  A decode step (``rows <= BLOCK_Q``) has one warpgroup of work per (batch entry, kv
+  head), and its CTA holds a whole SM (the compute warpgroup's 232 registers per thread
+  leave room for one CTA): with more such CTAs than SMs they run in waves, each SM
+  walking one entry's key tiles at a time. Two lanes give an SM two independent walks
+  (the prefill's two compute warpgroups, each on another batch entry) when the CTAs of
+  one lane would fill more than one wave and two K/V rings fit in shared memory
+  (``D <= 64``). A free knob: a lane's warpgroup runs a one-warpgroup CTA's
+  instructions on its own rows and tiles, so no bit changes
+  (``tests/attention/test_attention_mosaic_gpu.py`` compares the two)."""
+  if rows <= BLOCK_Q and d <= 64 and bsz >= 2 and bsz * heads > DEFAULT_NUM_SMS:
+    return NUM_COMPUTE_WGS
+  return 1
+
+
 def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref, smem, loaded,
-            consumed, schedule, *, n_qblocks, group, d, scale2, wgs):
+            consumed, schedule, *, n_qblocks, group, d, scale2, wgs, lanes, heads_major):
+  # lanes == 1: the CTA's warpgroups share one batch entry's K/V tiles (one ring) and, with
+  # two, ping-pong through the schedule barrier. lanes == wgs: warpgroup w works alone on
+  # batch entry (CTA index * lanes + w) through its own ring ``[w * STAGES, (w + 1) * STAGES)``.
   qo_smem2, k_smem, v_smem, last_smem2, lse_smem2 = smem
   k_loaded, v_loaded, q_loaded, last_loaded = loaded
   k_free, v_free = consumed
   dtype = q_ref.dtype
-  b = lax.axis_index("batch")
+  b0 = lax.axis_index("batch") * lanes
   h = lax.axis_index("heads")
   # Heaviest (highest) query blocks first: causal work grows with the index.
   qb = n_qblocks - 1 - lax.axis_index("q_seq")
   wg = lax.axis_index("wg")
-  n_tiles = ntiles_ref[b, qb]  # tiles up to the one holding the CTA's largest `last`
-  kv_len = kvlen_ref[b]
+  coupled = lanes == 1  # warpgroups share the tiles and the schedule barrier
 
   def schedule_sync():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+    if coupled:
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
 
   @pl.when(wg < wgs)
   def _compute_wg():
     plgpu.set_max_registers(232, action="increase")
+    lane = 0 if coupled else wg
+    b = b0 + lane
+    ring = lane * STAGES  # this lane's first slot of the K/V ring and its barriers
+    n_tiles = ntiles_ref[b, qb]  # tiles up to the one holding the block's largest `last`
+    kv_len = kvlen_ref[b]
     qo_smem, last_smem, lse_smem = qo_smem2.at[wg], last_smem2.at[wg], lse_smem2.at[wg]
-    row0 = qb * (wgs * BLOCK_Q) + wg * BLOCK_Q
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_Q), h], qo_smem, q_loaded.at[wg])
+    row0 = (qb * (wgs * BLOCK_Q) + wg * BLOCK_Q) if coupled else qb * BLOCK_Q
+    rows = (b, h, pl.ds(row0, BLOCK_Q)) if heads_major else (b, pl.ds(row0, BLOCK_Q), h)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], qo_smem, q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(last_ref.at[b, pl.ds(row0, BLOCK_Q)], last_smem,
                             last_loaded.at[wg])
     plgpu.barrier_wait(last_loaded.at[wg])
@@ -133,13 +162,14 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
     @pl.when(n_tiles > 0)
     def _():
-      plgpu.barrier_wait(k_loaded.at[0])
+      plgpu.barrier_wait(k_loaded.at[ring])
 
-    pl.when(wg == 1)(schedule_sync)
+    if coupled:
+      pl.when(wg == 1)(schedule_sync)
 
     def tile(t, carry):
       acc, m, den = carry
-      slot = lax.rem(t, jnp.int32(STAGES))
+      slot = ring + lax.rem(t, jnp.int32(STAGES))
       key0 = t * KEY_TILE
       clean = key0 + KEY_TILE <= kv_len
 
@@ -175,13 +205,15 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
       p_in = p.astype(dtype)
       acc_scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-      plgpu.barrier_arrive(schedule)  # softmax done
+      if coupled:
+        plgpu.barrier_arrive(schedule)  # softmax done
 
       @pl.when(clean)
       def _():
         plgpu.barrier_wait(v_loaded.at[slot])
 
-      plgpu.barrier_wait(schedule)  # the tensor cores are free
+      if coupled:
+        plgpu.barrier_wait(schedule)  # the tensor cores are free
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
@@ -189,7 +221,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
         @pl.when(nxt < n_tiles)
         def _():
-          plgpu.barrier_wait(k_loaded.at[lax.rem(nxt, jnp.int32(STAGES))])
+          plgpu.barrier_wait(k_loaded.at[ring + lax.rem(nxt, jnp.int32(STAGES))])
 
       acc_new = pl.run_state(pv)(plgpu.ACC.init(acc_scaled))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -200,7 +232,8 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
     # Ascending key tiles from key 0: the reduction order of the contract.
     acc, m, den = lax.fori_loop(0, n_tiles, tile, (acc, m, den))
-    pl.when(wg == 0)(schedule_sync)
+    if coupled:
+      pl.when(wg == 0)(schedule_sync)
 
     den_b = lax.broadcast_in_dim(den, acc.shape, [0])
     seen_b = den_b > 0
@@ -211,7 +244,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     seen = den > 0
     lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, den, 1.0)), 0.0)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(row0, BLOCK_Q), h])
+    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -219,48 +252,86 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
   def _memory_wg():
     plgpu.set_max_registers(40, action="decrease")
     hk = lax.div(h, jnp.int32(group))
+    counts = [ntiles_ref[b0 + lane, qb] for lane in range(lanes)]
 
-    # Fill the ring. A loop, not a Python unroll: tile starts stay traced values,
-    # so a tile that reaches past S is a TMA zero-fill at run time rather than a
-    # static out-of-bounds slice at trace time.
-    @pl.loop(0, jnp.minimum(n_tiles, STAGES))
-    def _(t):
-      window = (b, pl.ds(t * KEY_TILE, KEY_TILE), hk)
-      plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[t], k_loaded.at[t])
-      plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[t], v_loaded.at[t])
+    # Fill each lane's ring. A loop, not a Python unroll: tile starts stay traced
+    # values, so a tile that reaches past S is a TMA zero-fill at run time rather
+    # than a static out-of-bounds slice at trace time.
+    for lane in range(lanes):
+      @pl.loop(0, jnp.minimum(counts[lane], STAGES))
+      def _(t, lane=lane):
+        window = (b0 + lane, pl.ds(t * KEY_TILE, KEY_TILE), hk)
+        slot = lane * STAGES + t
+        plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
 
-    @pl.loop(0, jnp.maximum(n_tiles - STAGES, 0))
-    def _(step):
-      slot = lax.rem(step, jnp.int32(STAGES))
-      window = (b, pl.ds((step + STAGES) * KEY_TILE, KEY_TILE), hk)
+    def refill(step, lane):
+      slot = lane * STAGES + lax.rem(step, jnp.int32(STAGES))
+      window = (b0 + lane, pl.ds((step + STAGES) * KEY_TILE, KEY_TILE), hk)
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
 
+    # The lanes' refills interleaved, one tile each per step: a lane waits only on
+    # its own consumer, which waits only on loads already issued.
+    @pl.loop(0, jnp.maximum(functools.reduce(jnp.maximum, counts) - STAGES, 0))
+    def _(step):
+      if lanes == 1:
+        refill(step, 0)
+        return
+      for lane in range(lanes):
+        pl.when(step < counts[lane] - STAGES)(functools.partial(refill, step, lane))
 
-def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
+
+def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None = None,
+            heads_major: bool = False):
   """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
 
   Exactly the contract and residual format of ``attention_triton.forward``:
   ``lse2 = max_j s_j + log2 sum_j 2^(s_j - max)`` with
   ``s = log2(e) * scale * q . k`` over visible keys (0 for a row that sees none).
-  ``q_positions [B, Tq]`` and ``kv_lengths [B]`` are int32.
+  ``q_positions [B, Tq]`` and ``kv_lengths [B]`` are int32. ``lanes`` (batch entries
+  per CTA, 1 or 2 for at most ``BLOCK_Q`` rows; default :func:`lanes_for`) is a free
+  knob, exposed for the tests that compare its values.
+
+  ``heads_major``: ``q`` is ``[B, Hq, Tq, D]`` and the output is returned so (the
+  logsumexp keeps its layout). A free layout knob: each CTA copies the same rows into
+  the same shared-memory tile. It is how a decode step's query heads reach the kernel
+  with no copy (``[B, 1, Hq, D]`` is ``[B, Hq, 1, D]`` in memory): a query block that
+  reaches past ``Tq`` is read as zeros and written back only where it lies inside the
+  array (TMA's out-of-bounds fill and clipping), so the rows need no padded copy when
+  ``Tq <= 8`` or ``Tq % 8 == 0`` (the 8-row tile of the shared-memory layout).
   """
-  bsz, tq, hq, d = q.shape
+  if heads_major:
+    bsz, hq, tq, d = q.shape
+  else:
+    bsz, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
   why = supported(d, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic): {why}; use implementation='triton'")
   wgs = compute_wgs_for(tq)
+  if lanes is None:
+    lanes = lanes_for(tq, bsz, hq, d)
+  if lanes not in (1, NUM_COMPUTE_WGS) or (lanes > 1 and wgs > 1):
+    raise ValueError(f"causal_attention(mosaic): lanes must be 1, or {NUM_COMPUTE_WGS} for at "
+                     f"most {BLOCK_Q} query rows, got {lanes} for {tq} rows")
   cta_rows = wgs * BLOCK_Q
+  wgs = max(wgs, lanes)
   n_qblocks = cdiv(tq, cta_rows)
   tq_pad = n_qblocks * cta_rows
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
+  tq_q = tq  # the query rows q holds
+  if heads_major and tq > 8 and tq % 8:
+    tq_q = round_up(tq, 8)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, tq_q - tq), (0, 0)))
   if tq_pad != tq:
     # Padding queries (position -1) fill the CTA: a decode step runs a full block.
-    q = jnp.pad(q, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
+    if not heads_major:
+      q = jnp.pad(q, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
+      tq_q = tq_pad
     last = jnp.pad(last, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
   s_pad = max(KEY_TILE, round_up(s_len, 8))
   if s_pad != s_len:
@@ -270,24 +341,35 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   # Per-CTA loop bound from the int32 `last` of its rows (no float data involved).
   n_tiles = (jnp.max(last.reshape(bsz, n_qblocks, cta_rows), axis=2) + KEY_TILE) // KEY_TILE
+  bsz_pad = round_up(bsz, lanes)
+  if bsz_pad != bsz:
+    # A lane past the batch: no key tiles (K/V are never read for it), zero queries,
+    # and its output rows are sliced off below.
+    extra = bsz_pad - bsz
+    q = jnp.pad(q, ((0, extra), (0, 0), (0, 0), (0, 0)))
+    last = jnp.pad(last, ((0, extra), (0, 0)), constant_values=-1)
+    n_tiles = jnp.pad(n_tiles, ((0, extra), (0, 0)))
+    kv_len = jnp.pad(kv_len, (0, extra))
 
   smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
     scratch = (
         plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=smem_transforms),
-        plgpu.SMEM((STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
-        plgpu.SMEM((STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((lanes * STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((lanes * STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
         plgpu.SMEM((wgs, BLOCK_Q), jnp.int32),
         plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
     )
-    loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+    loaded = (plgpu.Barrier(num_barriers=lanes * STAGES),
+              plgpu.Barrier(num_barriers=lanes * STAGES),
               plgpu.Barrier(num_barriers=wgs),
               plgpu.Barrier(num_barriers=wgs))
-    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES),) * 2
+    consumed = (plgpu.Barrier(num_arrivals=wgs // lanes, num_barriers=lanes * STAGES),) * 2
     schedule = plgpu.Barrier(num_arrivals=wgs)
     kernel = functools.partial(_kernel, n_qblocks=n_qblocks, group=hq // hkv, d=d,
-                               scale2=scale * LOG2E, wgs=wgs)
+                               scale2=scale * LOG2E, wgs=wgs, lanes=lanes,
+                               heads_major=heads_major)
     pl.run_scoped(
         lambda *scoped: kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref,
                                lse_ref, *scoped),
@@ -295,15 +377,20 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float):
 
   out, lse = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((bsz, tq_pad, hq, d), q.dtype),
-                jax.ShapeDtypeStruct((bsz, hq, tq_pad), jnp.float32)),
-      grid=(hq, n_qblocks, bsz),
-      grid_names=("heads", "q_seq", "batch"),
+      out_type=(jax.ShapeDtypeStruct(
+          (bsz_pad, hq, tq_q, d) if heads_major else (bsz_pad, tq_q, hq, d), q.dtype),
+                jax.ShapeDtypeStruct((bsz_pad, hq, tq_pad), jnp.float32)),
+      # The last grid axis is CUDA's x, the fastest in launch order: the heads of one batch
+      # entry run side by side, reading the interleaved K/V rows of one cache region.
+      grid=(bsz_pad // lanes, n_qblocks, hq),
+      grid_names=("batch", "q_seq", "heads"),
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="causal_attention_fwd_mosaic",
   )(q, k, v, last, n_tiles.astype(jnp.int32), kv_len)
-  if tq_pad != tq:
-    out, lse = out[:, :tq], lse[:, :, :tq]
-  return out, lse
+  if heads_major:
+    out = out[:bsz, :, :tq]
+  else:
+    out = out[:bsz, :tq]
+  return out, lse[:bsz, :, :tq]

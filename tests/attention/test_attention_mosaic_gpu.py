@@ -51,6 +51,99 @@ def test_forward_accuracy(dtype, d, hkv, t):
   assert rel_err(out, ref) <= TOL[jnp.dtype(dtype).name][0]
 
 
+def test_decode_lanes_keep_the_bits():
+  """Two batch entries per CTA, each on its own compute warpgroup and K/V ring (the
+  decode rule for more CTAs than SMs), give a one-entry CTA's bits: an odd batch (a lane
+  past it), positions from 0 to the end of the cache, NaN past kv_lengths; and float64
+  accuracy. The rule picks two lanes only for decode-sized calls at D = 64."""
+  b, s, hq, hkv, d = 5, 700, 8, 2, 64
+  ks = jax.random.split(jax.random.key(11), 4)
+  q = jax.random.normal(ks[0], (b, 1, hq, d)).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, hkv, d)).astype(jnp.bfloat16)
+  v = (jax.random.normal(ks[2], (b, s, hkv, d))
+       * 2.0 ** jax.random.randint(ks[3], (b, s, hkv, 1), -2, 3)).astype(jnp.bfloat16)
+  pos = jnp.array([[699], [0], [350], [127], [257]], jnp.int32)
+  kvl = jnp.array([700, 1, 351, 200, 258], jnp.int32)
+  ref = reference64(q, k, v, pos, kvl, d ** -0.5)
+  past = jnp.arange(s)[None, :, None, None] >= kvl[:, None, None, None]
+  k, v = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
+  one = attention_mosaic.forward(q, k, v, pos, kvl, scale=d ** -0.5, lanes=1)
+  two = attention_mosaic.forward(q, k, v, pos, kvl, scale=d ** -0.5, lanes=2)
+  for name, x, y in zip(("out", "lse"), one, two):
+    assert np.all(np.isfinite(np.asarray(y, np.float32))), name
+    assert_bitwise_equal(y, x, f"{name}: two lanes vs one")
+  assert rel_err(two[0], ref) <= TOL["bfloat16"][0]
+  assert attention_mosaic.lanes_for(1, 64, 8, 64) == 2
+  assert attention_mosaic.lanes_for(4, 64, 2, 64) == 1  # 128 CTAs: one wave
+  assert attention_mosaic.lanes_for(1, 256, 2, 128) == 1  # two D = 128 rings do not fit
+  assert attention_mosaic.lanes_for(128, 64, 8, 64) == 1  # a prefill block
+  with pytest.raises(ValueError, match="lanes must be"):
+    attention_mosaic.forward(q.repeat(100, axis=1), k, v, pos.repeat(100, axis=1), kvl,
+                             scale=d ** -0.5, lanes=2)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("rows", [1, 4, 7, 12, 16, 70])
+def test_heads_major_keeps_the_bits(d, rows):
+  """q as ``[B, H, R, D]`` (the decode layout: no padded copy of the rows when R <= 8 or
+  R % 8 == 0, the block past R read as TMA zeros and its output clipped) gives the
+  ``[B, R, H, D]`` call's bits, out and lse, with NaN past kv_lengths and rows at
+  positions from -1 to the end of the cache; and float64 accuracy. R = 12 pads its rows
+  to 16, R = 70 spans two query blocks."""
+  b, s, h = 3, 300, 2
+  ks = jax.random.split(jax.random.key(rows), 4)
+  q = jax.random.normal(ks[0], (b, rows, h, d)).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, h, d)).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, s, h, d)).astype(jnp.bfloat16)
+  pos = jax.random.randint(ks[3], (b, rows), -1, s).astype(jnp.int32)
+  kvl = jnp.array([300, 129, 1], jnp.int32)
+  ref = reference64(q, k, v, pos, kvl, d ** -0.5)
+  past = jnp.arange(s)[None, :, None, None] >= kvl[:, None, None, None]
+  k, v = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
+  out, lse = attention_mosaic.forward(q, k, v, pos, kvl, scale=d ** -0.5)
+  out_h, lse_h = attention_mosaic.forward(q.transpose(0, 2, 1, 3), k, v, pos, kvl,
+                                          scale=d ** -0.5, heads_major=True)
+  assert out_h.shape == (b, h, rows, d) and lse_h.shape == lse.shape
+  assert np.all(np.isfinite(np.asarray(out_h, np.float32)))
+  assert_bitwise_equal(out_h.transpose(0, 2, 1, 3), out, "heads-major out")
+  assert_bitwise_equal(lse_h, lse, "heads-major lse")
+  assert rel_err(out, ref) <= TOL["bfloat16"][0]
+  if rows <= 64 and d == 64:
+    two, _ = attention_mosaic.forward(q.transpose(0, 2, 1, 3), k, v, pos, kvl,
+                                      scale=d ** -0.5, heads_major=True, lanes=2)
+    assert_bitwise_equal(two, out_h, "heads-major, two lanes")
+
+
+def test_decode_step_gradients_through_the_heads_major_layout():
+  """A one-query call (``causal_attention`` gives the Mosaic forward its heads as rows,
+  heads-major) has the gradients of the same call in the row-major layout, bitwise."""
+  from jaxrl_kernels.attention import api
+  b, s, hq, hkv, d = 2, 200, 8, 2, 64
+  ks = jax.random.split(jax.random.key(5), 4)
+  q = jax.random.normal(ks[0], (b, 1, hq, d)).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, hkv, d)).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, s, hkv, d)).astype(jnp.bfloat16)
+  pos = jnp.array([[199], [60]], jnp.int32)
+  kvl = jnp.array([200, 61], jnp.int32)
+  g = hq // hkv
+
+  def decode(q, k, v):
+    return causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl,
+                            implementation="mosaic").astype(jnp.float32).sum()
+
+  def row_major(q, k, v):
+    rows = q.reshape(b, 1, hkv, g, d).transpose(0, 1, 3, 2, 4).reshape(b, g, hkv, d)
+    out = api._attention(rows, k, v, jnp.repeat(pos, g, axis=1), kvl,
+                         api._Static(d ** -0.5, "mosaic"))
+    return out.astype(jnp.float32).sum()
+
+  want = jax.grad(row_major, argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(decode, argnums=(0, 1, 2))(q, k, v)
+  for name, x, y in zip(("dq", "dk", "dv"), got, want):
+    assert_bitwise_equal(x, y, name)
+  assert float(jnp.abs(got[0].astype(jnp.float32)).sum()) > 0
+
+
 def test_lse_matches_triton_and_gradients():
   """The Mosaic forward's residuals drive the Mosaic backward: gradients within
   tolerance."""
