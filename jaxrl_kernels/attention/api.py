@@ -236,6 +236,9 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
   chunking invariances), so every output row has the bits of the unfolded call
   (``tests/attention/test_attention.py::test_group_folding_keeps_the_bits``). Gradients:
   ``dq`` rows likewise; ``dk``/``dv`` sum over the group's rows in the folded order.
+  A one-query call on the Mosaic kernel takes the heads-major form ``[B, Hkv, G, D]`` of
+  the same rows instead (``attention_mosaic.forward(heads_major=True)``): a reshape of
+  ``q``, no copy, and the same bits.
   """
   bsz, tq, hq, d = q.shape
   hkv = k.shape[2]

@@ -36,8 +36,10 @@ CTA's largest ``last`` (a per-CTA tile count computed in XLA from the int32
 mask is always applied; there is no unmasked fast path whose code could
 contract differently). A row that sees no key of a tile keeps ``(m, l, acc)``
 through selects, so tiles walked for other rows never touch its bits. A decode
-step (``Tq = 1``) is padded to ``BLOCK_Q`` query rows at position -1, so its
-warpgroup runs the very instructions of a prefill block's warpgroups. A row's bits depend only on
+step (``Tq = 1``) runs a block of ``BLOCK_Q`` query rows, those past its own at
+position -1 (zeros read past the array in the ``heads_major`` layout, a padded copy in
+the row-major one), so its warpgroup runs the very instructions of a prefill block's
+warpgroups. A row's bits depend only on
 ``q[b, i, h]``, ``k/v[b, :last + 1, h // group]``, the dtype and ``scale``.
 
 Garbage past ``kv_len`` (a KV cache may hold NaN there): K rows past ``last``
@@ -70,8 +72,8 @@ from jaxrl_kernels import contract
 from jaxrl_kernels.pallas._common import DEFAULT_NUM_SMS, LOG2E, cdiv, round_up
 
 # The contract's constants: query rows per compute warpgroup (the wgmma M),
-# and the key tile walked in ascending order from key 0. A decode step pads
-# its one query to CTA_ROWS rows so that it runs a prefill block's code.
+# and the key tile walked in ascending order from key 0. A decode step runs a
+# block of BLOCK_Q rows (those past its own see nothing), a prefill block's code.
 BLOCK_Q = contract.ATTENTION_MOSAIC_BLOCK_Q
 KEY_TILE = contract.ATTENTION_MOSAIC_KEY_TILE
 NUM_COMPUTE_WGS = 2
