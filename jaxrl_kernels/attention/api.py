@@ -2,7 +2,7 @@
 
 The kernels walk fixed key tiles aligned to key 0, in ascending order, with a
 float32 online softmax, in query blocks of a fixed number of rows (a decode
-step pads its one query to a full block), and one fixed instruction sequence
+step runs a full block, its other rows seeing no key), and one fixed instruction sequence
 per block. A key tile that a query row does not reach is skipped exactly for
 that row. So the output bits of query ``(b, i, h)`` at position ``p`` depend
 only on ``q[b, i, h]``, ``k[b, :last + 1]``, ``v[b, :last + 1]``
@@ -22,7 +22,8 @@ the default). The kernels have different constants (tiles of 64 x 128, 64 x
 64, 32 x 128), so their bits differ from each other; each is invariant on its
 own. The default picks one by device, dtype and ``D`` only (static, the same
 for a model's decode and prefill), never by ``B``, ``Tq`` or ``S``. Gradients
-run the backend's backward (the Triton kernels for ``"mosaic"``), fed with the
+run the backend's backward (for ``"mosaic"``: its own kernels at ``D = 128``, the
+Triton ones at other head dims, ``attention_mosaic_bwd.backward``), fed with the
 forward's own output and logsumexp. ``"xla"`` (``xla.py``, the materialised
 baseline) has none of these guarantees. The float64 truth is ``reference.py``.
 
@@ -76,7 +77,10 @@ class _Static:
 @_backend.kernel_jit(static_argnums=(5,))
 def _forward(q, k, v, q_positions, kv_lengths, st):
   """``(out, lse2)`` of the forward kernel of ``st.impl``."""
-  if st.heads_major:
+  if st.heads_major:  # the Mosaic forward's layout only (_grouped_as_rows sets it)
+    if st.impl != "mosaic":
+      raise ValueError(f"causal_attention: the heads-major layout is the Mosaic forward's, "
+                       f"not {st.impl!r}'s")
     return attention_mosaic.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
                                     heads_major=True)
   return BACKENDS[st.impl].forward(q, k, v, q_positions, kv_lengths, scale=st.scale)

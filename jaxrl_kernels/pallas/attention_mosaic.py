@@ -105,10 +105,11 @@ def compute_wgs_for(rows: int) -> int:
 def lanes_for(rows: int, bsz: int, heads: int, d: int) -> int:
   """Batch entries per CTA, each on its own compute warpgroup with its own K/V ring.
 
-  A decode step (``rows <= BLOCK_Q``) has one warpgroup of work per (batch entry, kv
-  head), and its CTA holds a whole SM (the compute warpgroup's 232 registers per thread
-  leave room for one CTA): with more such CTAs than SMs they run in waves, each SM
-  walking one entry's key tiles at a time. Two lanes give an SM two independent walks
+  A decode step (``rows <= BLOCK_Q``) has one warpgroup of work per (batch entry, head
+  of the call: a kv head after ``causal_attention``'s GQA fold), and its CTA holds a
+  whole SM (the compute warpgroup's 232 registers per thread leave room for one CTA):
+  with more such CTAs than SMs they run in waves, each SM walking one entry's key tiles
+  at a time. Two lanes give an SM two independent walks
   (the prefill's two compute warpgroups, each on another batch entry) when the CTAs of
   one lane would fill more than one wave and two K/V rings fit in shared memory
   (``D <= 64``). A free knob: a lane's warpgroup runs a one-warpgroup CTA's
@@ -150,8 +151,8 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     kv_len = kvlen_ref[b]
     qo_smem, last_smem, lse_smem = qo_smem2.at[wg], last_smem2.at[wg], lse_smem2.at[wg]
     row0 = (qb * (wgs * BLOCK_Q) + wg * BLOCK_Q) if coupled else qb * BLOCK_Q
-    rows = (b, h, pl.ds(row0, BLOCK_Q)) if heads_major else (b, pl.ds(row0, BLOCK_Q), h)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], qo_smem, q_loaded.at[wg])
+    q_rows = (b, h, pl.ds(row0, BLOCK_Q)) if heads_major else (b, pl.ds(row0, BLOCK_Q), h)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], qo_smem, q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(last_ref.at[b, pl.ds(row0, BLOCK_Q)], last_smem,
                             last_loaded.at[wg])
     plgpu.barrier_wait(last_loaded.at[wg])
@@ -246,7 +247,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     seen = den > 0
     lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, den, 1.0)), 0.0)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[rows])
+    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -316,9 +317,10 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   wgs = compute_wgs_for(tq)
   if lanes is None:
     lanes = lanes_for(tq, bsz, hq, d)
-  if lanes not in (1, NUM_COMPUTE_WGS) or (lanes > 1 and wgs > 1):
+  if lanes not in (1, NUM_COMPUTE_WGS) or (lanes > 1 and (wgs > 1 or d > 64)):
     raise ValueError(f"causal_attention(mosaic): lanes must be 1, or {NUM_COMPUTE_WGS} for at "
-                     f"most {BLOCK_Q} query rows, got {lanes} for {tq} rows")
+                     f"most {BLOCK_Q} query rows and D <= 64 (two K/V rings in shared "
+                     f"memory), got {lanes} for {tq} rows at D = {d}")
   cta_rows = wgs * BLOCK_Q
   wgs = max(wgs, lanes)
   n_qblocks = cdiv(tq, cta_rows)
@@ -327,6 +329,8 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
   tq_q = tq  # the query rows q holds
   if heads_major and tq > 8 and tq % 8:
+    # The shared-memory tile is 8 rows: Mosaic's TMA view of q needs a row count that is
+    # a multiple of 8 or below 8 (then one partial tile, the rest of the block OOB zeros).
     tq_q = round_up(tq, 8)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, tq_q - tq), (0, 0)))
   if tq_pad != tq:

@@ -7,6 +7,7 @@ tests/attention/test_attention_cpu.py."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -356,6 +357,61 @@ def test_mosaic_forward_kernel_lowers_for_cuda(b, tq, s_len, d):
   exported = jax.export.export(fn, platforms=["cuda"])(*args)
   assert [a.shape for a in exported.out_avals] == [(b, tq, 14, d), (b, 14, tq)]
   assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("b,rows,d,lanes", [(64, 4, 64, None), (17, 4, 64, 2), (3, 7, 128, 1),
+                                           (2, 12, 64, 1), (2, 130, 128, 1), (2, 200, 64, 1)])
+def test_mosaic_heads_major_forward_lowers_for_cuda(b, rows, d, lanes):
+  """The heads-major layout (``q [B, H, R, D]``: a decode step's, and R up to two CTA
+  blocks, an odd batch over two lanes) lowers to a CUDA module on any machine, with the
+  output in q's layout and the logsumexp in its own; bits: test_attention_mosaic_gpu.py."""
+  from jaxrl_kernels.pallas import attention_mosaic
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, 2, rows, d), bf16), sd((b, 1536, 2, d), bf16), sd((b, 1536, 2, d), bf16),
+          sd((b, rows), i32), sd((b,), i32))
+  fn = jax.jit(functools.partial(attention_mosaic.forward, scale=d ** -0.5, lanes=lanes,
+                                 heads_major=True))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert [a.shape for a in exported.out_avals] == [(b, 2, rows, d), (b, 2, rows)]
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_mosaic_decode_step_copies_no_query():
+  """``causal_attention``'s decode step on the Mosaic kernel (Llama-3.2-1B's heads, 64
+  rows) lowers with no bf16 pad or transpose around the kernel: the query heads reach it
+  as a reshape (heads-major), its output leaves as one. The control: a two-query call
+  (row-major) has both."""
+  from jaxrl_kernels.attention import api
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  sd = jax.ShapeDtypeStruct
+
+  def module(tq):
+    args = (sd((64, tq, 32, 64), bf16), sd((64, 1536, 8, 64), bf16),
+            sd((64, 1536, 8, 64), bf16), sd((64, tq), i32), sd((64,), i32))
+    fn = jax.jit(lambda q, k, v, p, n: api._grouped_as_rows(q, k, v, p, n,
+                                                             api._Static(0.125, "mosaic")))
+    return jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+  copies = re.compile(r"stablehlo\.(pad|transpose)[^\n]*bf16")
+  decode, control = module(1), module(2)
+  assert "mosaic_gpu" in decode
+  assert not copies.search(decode), copies.search(decode).group(0)
+  assert copies.search(control)
+
+
+def test_mosaic_lanes_need_one_block_and_d64():
+  """Two lanes hold two K/V rings: refused at D = 128 and for more than one block's rows,
+  by name, before any kernel is built."""
+  from jaxrl_kernels.pallas import attention_mosaic
+  q = jnp.zeros((2, 1, 4, 128), jnp.bfloat16)
+  k = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+  pos, kvl = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
+  with pytest.raises(ValueError, match="lanes must be .* D <= 64"):
+    attention_mosaic.forward(q, k, k, pos, kvl, scale=1.0, lanes=2)
+  with pytest.raises(ValueError, match="lanes must be"):
+    attention_mosaic.forward(q[..., :64], k[..., :64], k[..., :64], pos, kvl, scale=1.0,
+                             lanes=3)
 
 
 @pytest.mark.parametrize("b,tq,s_len,d", [(2, 1000, 1000, 64), (1, 300, 77, 128)])

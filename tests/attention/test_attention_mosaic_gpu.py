@@ -83,13 +83,16 @@ def test_decode_lanes_keep_the_bits():
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("rows", [1, 4, 7, 12, 16, 70])
+@pytest.mark.parametrize("rows", [1, 4, 7, 12, 16, 70, 130, 200])
 def test_heads_major_keeps_the_bits(d, rows):
   """q as ``[B, H, R, D]`` (the decode layout: no padded copy of the rows when R <= 8 or
   R % 8 == 0, the block past R read as TMA zeros and its output clipped) gives the
   ``[B, R, H, D]`` call's bits, out and lse, with NaN past kv_lengths and rows at
   positions from -1 to the end of the cache; and float64 accuracy. R = 12 pads its rows
-  to 16, R = 70 spans two query blocks."""
+  to 16; R = 70 fills both warpgroups of one CTA block; R = 130 and 200 take two CTA
+  blocks, R = 130 with a warpgroup's 64 rows wholly past the array. Rows past R see no
+  key whatever is read there; a store past R would overwrite the next head's rows, which
+  the comparison catches (when that head's CTA ran first)."""
   b, s, h = 3, 300, 2
   ks = jax.random.split(jax.random.key(rows), 4)
   q = jax.random.normal(ks[0], (b, rows, h, d)).astype(jnp.bfloat16)
@@ -127,15 +130,19 @@ def test_decode_step_gradients_through_the_heads_major_layout():
   kvl = jnp.array([200, 61], jnp.int32)
   g = hq // hkv
 
+  # A random cotangent: a wrong layout of d_out (or of dq) changes the gradients.
+  w = jax.random.normal(ks[3], (b, 1, hq, d))
+
   def decode(q, k, v):
-    return causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl,
-                            implementation="mosaic").astype(jnp.float32).sum()
+    out = causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl, implementation="mosaic")
+    return (out.astype(jnp.float32) * w).sum()
 
   def row_major(q, k, v):
     rows = q.reshape(b, 1, hkv, g, d).transpose(0, 1, 3, 2, 4).reshape(b, g, hkv, d)
     out = api._attention(rows, k, v, jnp.repeat(pos, g, axis=1), kvl,
                          api._Static(d ** -0.5, "mosaic"))
-    return out.astype(jnp.float32).sum()
+    out = out.reshape(b, 1, g, hkv, d).transpose(0, 1, 3, 2, 4).reshape(b, 1, hq, d)
+    return (out.astype(jnp.float32) * w).sum()
 
   want = jax.grad(row_major, argnums=(0, 1, 2))(q, k, v)
   got = jax.grad(decode, argnums=(0, 1, 2))(q, k, v)

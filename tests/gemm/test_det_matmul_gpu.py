@@ -60,6 +60,11 @@ def test_every_mosaic_config_gives_the_same_bits():
                       max_concurrent_steps=3),
       gm.MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
                       max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
+      # The decode tiles: 64 wide, and 128 wide past one wave of 64-wide ones.
+      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
+                      max_concurrent_steps=8),
+      gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
+                      max_concurrent_steps=4),
   ]
   outs = [bits(gm.matmul(a, b, lhs_transposed=False, rhs_transposed=False,
                          out_dtype=jnp.bfloat16, config=c)) for c in configs]

@@ -121,6 +121,24 @@ def test_wide_tiles_only_where_large_tiles_leave_a_wave_empty(out_shape, wgs):
     assert exported.out_avals[0].shape == (m, n)
 
 
+@pytest.mark.parametrize("n,tile_n", [(1152, 64), (3072, 64), (8448, 64), (8512, 128),
+                                        (9728, 128), (16384, 128)])
+def test_decode_tiles_widen_past_one_wave(n, tile_n):
+  """At decode M (<= 64) the CTA tile is 64 wide until 64-wide tiles exceed one wave of
+  the SMs (132 x 64 = 8448 columns), 128 wide past it (8512 = 133 x 64): a shape's rule
+  (the 128-wide config gives the 64-wide one's bits, tests/gemm/test_det_matmul_gpu.py).
+  Either config builds a CUDA kernel named by its K and N."""
+  cfg = gemm_mosaic.default_config(64, n, 2048)
+  assert (cfg.tile_m, cfg.cta_tile_n, cfg.num_compute_wgs) == (64, tile_n, 1), cfg
+  fn = jax.jit(lambda a, b: gemm_mosaic.matmul(a, b, lhs_transposed=False,
+                                               rhs_transposed=False, out_dtype=jnp.bfloat16))
+  args = (S((64, 2048), jnp.bfloat16), S((2048, n), jnp.bfloat16))
+  (traced,) = _traced_loops(fn, *args)
+  assert traced.tile_n == tile_n
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert f"det_matmul_k2048_n{n}" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("out_shape,minor", [
     ((16384, 896), "n"),    # 4 column tiles of 256: row by row
     ((16384, 1024), "n"),
