@@ -82,6 +82,8 @@ CTA_ROWS = NUM_COMPUTE_WGS * BLOCK_Q
 STAGES = 2
 
 HEAD_DIMS = (64, 128)
+# The widest head dim whose two decode lanes' K/V rings fit in shared memory (lanes_for).
+LANES_MAX_D = 64
 DTYPES = ("bfloat16", "float16")
 
 
@@ -112,10 +114,10 @@ def lanes_for(rows: int, bsz: int, heads: int, d: int) -> int:
   at a time. Two lanes give an SM two independent walks
   (the prefill's two compute warpgroups, each on another batch entry) when the CTAs of
   one lane would fill more than one wave and two K/V rings fit in shared memory
-  (``D <= 64``). A free knob: a lane's warpgroup runs a one-warpgroup CTA's
+  (``D <= LANES_MAX_D``). A free knob: a lane's warpgroup runs a one-warpgroup CTA's
   instructions on its own rows and tiles, so no bit changes
   (``tests/attention/test_attention_mosaic_gpu.py`` compares the two)."""
-  if rows <= BLOCK_Q and d <= 64 and bsz >= 2 and bsz * heads > DEFAULT_NUM_SMS:
+  if rows <= BLOCK_Q and d <= LANES_MAX_D and bsz >= 2 and bsz * heads > DEFAULT_NUM_SMS:
     return NUM_COMPUTE_WGS
   return 1
 
@@ -317,9 +319,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   wgs = compute_wgs_for(tq)
   if lanes is None:
     lanes = lanes_for(tq, bsz, hq, d)
-  if lanes not in (1, NUM_COMPUTE_WGS) or (lanes > 1 and (wgs > 1 or d > 64)):
+  if lanes not in (1, NUM_COMPUTE_WGS) or (lanes > 1 and (wgs > 1 or d > LANES_MAX_D)):
     raise ValueError(f"causal_attention(mosaic): lanes must be 1, or {NUM_COMPUTE_WGS} for at "
-                     f"most {BLOCK_Q} query rows and D <= 64 (two K/V rings in shared "
+                     f"most {BLOCK_Q} query rows and D <= {LANES_MAX_D} (two K/V rings in shared "
                      f"memory), got {lanes} for {tq} rows at D = {d}")
   cta_rows = wgs * BLOCK_Q
   wgs = max(wgs, lanes)
