@@ -127,7 +127,7 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
             rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
             n_col_ops: int = 0, epilogue=None, group_rows: int | None = None,
-            chunks: int = 1):
+            group_cols: bool = False, chunks: int = 1):
   # refs: [row operands], [column operands], then (out,); (c, out) when
   # accumulating into ``c`` (``out = c + a @ b``); (c,) with ``in_place``:
   # ``c += a @ b`` through a mutable ref.
@@ -188,7 +188,7 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: b
   mosaic_loop.persistent_matmul(
       a_gmem, b_gmem, m=m, n=n, k=k, cfg=cfg.loop, lhs_transposed=lhs_transposed,
       rhs_transposed=rhs_transposed, epilogue=store, operands=operands, scratch=scratch,
-      group_rows=group_rows, chunks=chunks)
+      group_rows=group_rows, group_cols=group_cols, chunks=chunks)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
@@ -201,9 +201,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   instructions of ``matmul(lhs[g], rhs[g])``'s tiles: every element has its bits (every
   config gives the same bits; zero rows change no other row). ``K`` must be a multiple of
   ``TILE_K`` and ``N`` one the kernel takes (:func:`supported_shape`).
+
+  ``lhs`` may also be ``[M, G K]``, the ``G`` products' operands side by side (the K
+  chunks of one activation, as they lie in memory; ``M`` below 8 or a multiple of 8, the
+  row tiling of TMA): the kernel reads each product's columns in place
+  (``persistent_matmul``'s ``group_cols``), the same bits with no stacked copy.
   """
-  g, m, k = lhs.shape
   n = rhs.shape[2]
+  side_by_side = lhs.ndim == 2
+  if side_by_side:
+    g = rhs.shape[0]
+    m, gk = lhs.shape
+    k = gk // g
+    if gk != g * k or m == 0 or (m >= 8 and m % 8):
+      raise ValueError(f"grouped_matmul: lhs [M, G K] needs G K = {g} x {rhs.shape[1]} "
+                       f"columns and M in [1, 8) or a multiple of 8, got {lhs.shape}")
+  else:
+    g, m, k = lhs.shape
   if rhs.shape != (g, k, n):
     raise ValueError(f"grouped_matmul: rhs must be [G, K, N] = {(g, k, n)}, got {rhs.shape}")
   # Decode-sized products (m <= 64 rows each) take the decode tile of one product: 64 x 64
@@ -216,13 +230,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)
   if why is not None:
     raise ValueError(f"det_matmul(mosaic): unsupported grouped shape: {why}")
-  if m_pad != m:
-    lhs = jnp.pad(lhs, ((0, 0), (0, m_pad - m), (0, 0)))
+  if side_by_side:
+    a = lhs  # rows past M: TMA zeros
+  else:
+    a = jnp.pad(lhs, ((0, 0), (0, m_pad - m), (0, 0))) if m_pad != m else lhs
+    a = a.reshape(g * m_pad, k)
   kernel = functools.partial(_kernel, m=g * m_pad, n=n, k=k, cfg=cfg, lhs_transposed=False,
-                             rhs_transposed=False, group_rows=m_pad)
+                             rhs_transposed=False, group_rows=m_pad, group_cols=side_by_side)
   f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((g * m_pad, n), out_dtype),
                          cfg=cfg.loop, name="det_matmul_grouped")
-  out = f(lhs.reshape(g * m_pad, k), rhs.reshape(g * k, n)).reshape(g, m_pad, n)
+  out = f(a, rhs.reshape(g * k, n)).reshape(g, m_pad, n)
   return out[:, :m] if m_pad != m else out
 
 

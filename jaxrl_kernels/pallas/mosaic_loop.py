@@ -208,7 +208,7 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                       lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
                       operands: Sequence[tuple[Any, str]] = (),
                       scratch: dict | None = None, group_rows: int | None = None,
-                      chunks: int = 1) -> None:
+                      group_cols: bool = False, chunks: int = 1) -> None:
   """The body of a persistent GEMM kernel, up to the epilogue.
 
   For every CTA tile of ``op(A) @ op(B)`` (``op(A)`` ``[M, K]``: ``a_gmem`` is
@@ -240,7 +240,12 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   ``[g group_rows, (g + 1) group_rows)`` of ``A`` are multiplied by weight ``g`` (rows
   ``[g K, (g + 1) K)`` of ``b_gmem``); ``k`` must be a multiple of ``TILE_K``, so no K
   tile reaches into the next weight. Each tile runs the instructions of the ungrouped
-  product of its rows with its weight: the same bits.
+  product of its rows with its weight: the same bits. With ``group_cols``, ``a_gmem`` is
+  ``[Ma, G K]`` instead (``Ma <= group_rows``), the ``G`` products' operands side by side:
+  rows ``[g group_rows, (g + 1) group_rows)`` of the output read columns ``[g K, (g + 1) K)``
+  of ``a_gmem`` (its rows past ``Ma`` as TMA zeros). The same values reach the same shared
+  memory tiles as with the stacked ``[G group_rows, K]``, so the same bits, without the
+  stacked copy.
 
   ``chunks`` (a power of two dividing the K tiles; plain ``A`` only): the row-parallel
   product's chunk tree (``row_parallel``'s contract). The K walk is cut into ``chunks``
@@ -275,6 +280,10 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                        f"{a_gmem.shape}, B {b_gmem.shape}, K {k}")
     tile_k = chunk_step(kc)
   m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, tile_k)
+  if group_cols and (group_rows is None or a_gmem.ndim != 2
+                     or a_gmem.shape[1] % k or a_gmem.shape[0] > group_rows):
+    raise ValueError(f"persistent_matmul: group_cols needs group_rows and A [Ma, G {k}] with "
+                     f"Ma <= group_rows ({group_rows}); got A {a_gmem.shape}")
   if group_rows is not None and (lhs_transposed or rhs_transposed or group_rows % cta_m
                                  or k % TILE_K):
     raise ValueError(f"persistent_matmul: a grouped product needs plain operands, "
@@ -409,7 +418,14 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                       chunks, levels)
         return carry
 
-      a_view = a_gmem.at[:, cta_m_slice] if lhs_transposed else a_gmem.at[cta_m_slice]
+      if group_cols:  # this CTA tile's rows of its group, in the group's columns of A
+        group = (mi * cta_m) // group_rows
+        a_view = a_gmem.at[pl.ds(mi * cta_m - group * group_rows, cta_m),
+                           pl.ds(group * k, k)]
+      elif lhs_transposed:
+        a_view = a_gmem.at[:, cta_m_slice]
+      else:
+        a_view = a_gmem.at[cta_m_slice]
       if views:
         b_view = b_gmem.at[:, :, cta_n_slice]
       elif group_rows is not None:  # this CTA tile's weight of the stacked ones

@@ -434,6 +434,53 @@ def test_gpu_canonical_model_chunks_follow_the_contract(k, n, chunks):
   assert rel_err(want, matmul_reference(x, w) + np.asarray(b, np.float64)) <= TOL["bfloat16"][0]
 
 
+@pytest.mark.parametrize("m,side_by_side", [(1, True), (4, True), (64, True), (256, True),
+                                             (20, False)])
+def test_decode_partials_read_the_chunks_in_place(m, side_by_side):
+  """A decode step's partials (a ``ChunkedWeight`` on the Mosaic kernel, chunks off no K
+  tile) lower for CUDA as one grouped launch reading x's K chunks in place: no transposed
+  (chunk-major) copy of x. Rows that TMA cannot tile (20: above 8, not a multiple of 8)
+  take the chunk-major copy. Bits: test_gpu_decode_partials_read_the_chunks_in_place."""
+  st = row_parallel_module._Static(None, 1, 8, "canonical", "mosaic", jnp.dtype(jnp.float32))
+  sd = jax.ShapeDtypeStruct
+  fn = jax.jit(lambda x, w3: row_parallel_module._prepared_partials(st, x, w3))
+  exported = jax.export.export(fn, platforms=["cuda"])(sd((m, 2048), jnp.bfloat16),
+                                                       sd((8, 256, 2048), jnp.bfloat16))
+  assert exported.out_avals[0].shape == (8, m, 2048)
+  module = exported.mlir_module()
+  assert "det_matmul_grouped" in module
+  assert ("stablehlo.transpose" not in module) == side_by_side
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 20, 64, 256])
+@pytest.mark.parametrize("k,n,chunks", [(2048, 2048, 8), (4864, 896, 4)])
+def test_gpu_decode_partials_read_the_chunks_in_place(m, k, n, chunks):
+  """The grouped product reading x's K chunks in place (``[M, C Kc]``, the decode step's
+  layout) gives the chunk-major ``[C, M, Kc]`` launch's bits and each chunk's det_matmul
+  alone; through ``row_parallel_partials`` with a ``ChunkedWeight`` too."""
+  from jaxrl_kernels.pallas import gemm_mosaic
+  x, w, _ = _inputs("bfloat16", m=m, k=k, n=n)
+  kc = k // chunks
+  w3 = row_parallel_module._chunk_weights(w, chunks)
+  stacked = gemm_mosaic.grouped_matmul(row_parallel_module._split_k(x, chunks), w3,
+                                       out_dtype=jnp.float32)
+  want = jnp.stack([matmul2d(x[:, c * kc:(c + 1) * kc], w3[c], lhs_transposed=False,
+                             rhs_transposed=False, out_dtype=jnp.float32,
+                             implementation="mosaic") for c in range(chunks)])
+  assert_bitwise_equal(stacked, want, f"chunk-major, M={m}")
+  if m < 8 or m % 8 == 0:
+    in_place = gemm_mosaic.grouped_matmul(x, w3, out_dtype=jnp.float32)
+    assert_bitwise_equal(in_place, want, f"in place, M={m}")
+  else:
+    with pytest.raises(ValueError, match="multiple of 8"):
+      gemm_mosaic.grouped_matmul(x, w3, out_dtype=jnp.float32)
+  cw = jk.gemm.chunk_weight(w, chunks=chunks, implementation="mosaic")
+  prepared = jax.jit(functools.partial(jk.gemm.row_parallel_partials, chunks=chunks,
+                                       implementation="mosaic"))(x, cw)
+  assert_bitwise_equal(prepared, want, f"ChunkedWeight partials, M={m}")
+
+
 @pytest.mark.hopper
 @pytest.mark.parametrize("m,kc,n,with_bias", [(1000, 128, 896, True), (1, 128, 896, False),
                                               (64, 640, 896, False), (300, 64, 256, True),
