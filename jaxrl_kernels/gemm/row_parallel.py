@@ -570,11 +570,9 @@ def chunk_weight(w: jax.Array, *, chunks: int = contract.ROW_PARALLEL_CHUNKS,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _prepared_partials(st: _Static, x2, stacked):
-  m = x2.shape[0]
-  if (st.implementation == "mosaic" and st.local_chunks > 1 and not st.k_pad
-      and m and (m < 8 or m % 8 == 0)):
+  if st.implementation == "mosaic" and st.local_chunks > 1 and not st.k_pad:
     # The K chunks side by side, as x2 holds them: the grouped kernel reads each chunk's
-    # columns in place (no chunk-major copy of x2 per step; the same bits).
+    # columns in place where TMA can (no chunk-major copy of x2 per step; the same bits).
     return _grouped_mosaic(x2, stacked, out_dtype=jnp.dtype(jnp.float32))
   return _stacked_products(st, _split_k(x2, st.local_chunks, st.k_pad), stacked,
                            lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.float32,

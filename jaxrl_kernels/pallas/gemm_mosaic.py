@@ -195,17 +195,18 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   """``lhs [G, M, K] @ rhs [G, K, N] -> [G, M, N]`` in one launch (``G`` independent
   products, e.g. the K chunks of ``row_parallel_matmul``).
 
-  Each product's rows are zero-padded to whole CTA tiles and stacked, ``[G Mp, K]``; the
-  kernel walks the stacked rows as one ``[G Mp, N]`` output and points each CTA tile at
-  its own weight (``mosaic_loop.persistent_matmul``'s ``group_rows``). A tile runs the
-  instructions of ``matmul(lhs[g], rhs[g])``'s tiles: every element has its bits (every
-  config gives the same bits; zero rows change no other row). ``K`` must be a multiple of
+  For a 3-D ``lhs``, each product's rows are zero-padded to whole CTA tiles and stacked,
+  ``[G Mp, K]``; the kernel walks the stacked rows as one ``[G Mp, N]`` output and points
+  each CTA tile at its own weight (``mosaic_loop.persistent_matmul``'s ``group_rows``). A
+  tile runs the instructions of ``matmul(lhs[g], rhs[g])``'s tiles: every element has its
+  bits (every config gives the same bits; zero rows change no other row). ``K`` must be a multiple of
   ``TILE_K`` and ``N`` one the kernel takes (:func:`supported_shape`).
 
   ``lhs`` may also be ``[M, G K]``, the ``G`` products' operands side by side (the K
-  chunks of one activation, as they lie in memory; ``M`` below 8 or a multiple of 8, the
-  row tiling of TMA): the kernel reads each product's columns in place
-  (``persistent_matmul``'s ``group_cols``), the same bits with no stacked copy.
+  chunks of one activation, as they lie in memory): the kernel reads each product's
+  columns in place (``persistent_matmul``'s ``group_cols``), the same bits with no stacked
+  copy. Where Mosaic's 8-row shared-memory tile cannot view ``M`` rows in place (``M``
+  above 8 and not a multiple of 8, or 0) the stacked copy is made here instead.
   """
   n = rhs.shape[2]
   side_by_side = lhs.ndim == 2
@@ -213,9 +214,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
     g = rhs.shape[0]
     m, gk = lhs.shape
     k = gk // g
-    if gk != g * k or m == 0 or (m >= 8 and m % 8):
+    if gk != g * rhs.shape[1]:
       raise ValueError(f"grouped_matmul: lhs [M, G K] needs G K = {g} x {rhs.shape[1]} "
-                       f"columns and M in [1, 8) or a multiple of 8, got {lhs.shape}")
+                       f"columns, got {lhs.shape}")
+    if not mosaic_loop.rows_in_place(m):
+      lhs, side_by_side = lhs.reshape(m, g, k).transpose(1, 0, 2), False
   else:
     g, m, k = lhs.shape
   if rhs.shape != (g, k, n):

@@ -204,6 +204,13 @@ def _fold_chunk(acc_ref, reg_slots, smem_slots, c, ends, chunks: int, levels: in
       acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
+def rows_in_place(rows: int) -> bool:
+  """Whether TMA can view an operand of ``rows`` rows in place through the 8-row shared
+  memory tile: fewer than 8 (one partial tile) or a multiple of 8; past the rows, a box reads
+  zeros and a store is clipped."""
+  return 0 < rows < 8 or (rows > 0 and rows % 8 == 0)
+
+
 def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig,
                       lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
                       operands: Sequence[tuple[Any, str]] = (),
@@ -280,10 +287,12 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                        f"{a_gmem.shape}, B {b_gmem.shape}, K {k}")
     tile_k = chunk_step(kc)
   m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, tile_k)
-  if group_cols and (group_rows is None or a_gmem.ndim != 2
-                     or a_gmem.shape[1] % k or a_gmem.shape[0] > group_rows):
-    raise ValueError(f"persistent_matmul: group_cols needs group_rows and A [Ma, G {k}] with "
-                     f"Ma <= group_rows ({group_rows}); got A {a_gmem.shape}")
+  if group_cols and (group_rows is None or a_gmem.ndim != 2 or m % group_rows
+                     or a_gmem.shape[1] != m // group_rows * k
+                     or a_gmem.shape[0] > group_rows or not rows_in_place(a_gmem.shape[0])):
+    raise ValueError(f"persistent_matmul: group_cols needs group_rows dividing M ({m}) and A "
+                     f"[Ma, (M / group_rows) {k}] with Ma <= group_rows ({group_rows}) and "
+                     f"rows_in_place(Ma); got A {a_gmem.shape}")
   if group_rows is not None and (lhs_transposed or rhs_transposed or group_rows % cta_m
                                  or k % TILE_K):
     raise ValueError(f"persistent_matmul: a grouped product needs plain operands, "

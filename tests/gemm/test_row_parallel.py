@@ -439,8 +439,8 @@ def test_gpu_canonical_model_chunks_follow_the_contract(k, n, chunks):
 def test_decode_partials_read_the_chunks_in_place(m, side_by_side):
   """A decode step's partials (a ``ChunkedWeight`` on the Mosaic kernel, chunks off no K
   tile) lower for CUDA as one grouped launch reading x's K chunks in place: no transposed
-  (chunk-major) copy of x. Rows that TMA cannot tile (20: above 8, not a multiple of 8)
-  take the chunk-major copy. Bits: test_gpu_decode_partials_read_the_chunks_in_place."""
+  (chunk-major) copy of x. Rows the 8-row tile cannot view in place (20) take the
+  chunk-major copy. Bits: test_gpu_decode_partials_read_the_chunks_in_place."""
   st = row_parallel_module._Static(None, 1, 8, "canonical", "mosaic", jnp.dtype(jnp.float32))
   sd = jax.ShapeDtypeStruct
   fn = jax.jit(lambda x, w3: row_parallel_module._prepared_partials(st, x, w3))
@@ -452,13 +452,14 @@ def test_decode_partials_read_the_chunks_in_place(m, side_by_side):
   assert ("stablehlo.transpose" not in module) == side_by_side
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 20, 64, 256])
+@pytest.mark.hopper
+@pytest.mark.parametrize("m", [1, 4, 8, 20, 40, 64, 72, 200, 256])
 @pytest.mark.parametrize("k,n,chunks", [(2048, 2048, 8), (4864, 896, 4)])
 def test_gpu_decode_partials_read_the_chunks_in_place(m, k, n, chunks):
   """The grouped product reading x's K chunks in place (``[M, C Kc]``, the decode step's
   layout) gives the chunk-major ``[C, M, Kc]`` launch's bits and each chunk's det_matmul
-  alone; through ``row_parallel_partials`` with a ``ChunkedWeight`` too."""
+  alone, at row counts below, at and past one CTA tile; through ``row_parallel_partials``
+  with a ``ChunkedWeight`` too."""
   from jaxrl_kernels.pallas import gemm_mosaic
   x, w, _ = _inputs("bfloat16", m=m, k=k, n=n)
   kc = k // chunks
@@ -469,12 +470,11 @@ def test_gpu_decode_partials_read_the_chunks_in_place(m, k, n, chunks):
                              rhs_transposed=False, out_dtype=jnp.float32,
                              implementation="mosaic") for c in range(chunks)])
   assert_bitwise_equal(stacked, want, f"chunk-major, M={m}")
-  if m < 8 or m % 8 == 0:
-    in_place = gemm_mosaic.grouped_matmul(x, w3, out_dtype=jnp.float32)
-    assert_bitwise_equal(in_place, want, f"in place, M={m}")
-  else:
-    with pytest.raises(ValueError, match="multiple of 8"):
-      gemm_mosaic.grouped_matmul(x, w3, out_dtype=jnp.float32)
+  # In place where the 8-row tile views M rows (a box past them reads zeros: M = 8, 40, 72
+  # and 200 end inside a CTA tile, 72 and 200 in a product's second row tile), else the
+  # stacked copy (M = 20).
+  in_place = gemm_mosaic.grouped_matmul(x, w3, out_dtype=jnp.float32)
+  assert_bitwise_equal(in_place, want, f"side by side, M={m}")
   cw = jk.gemm.chunk_weight(w, chunks=chunks, implementation="mosaic")
   prepared = jax.jit(functools.partial(jk.gemm.row_parallel_partials, chunks=chunks,
                                        implementation="mosaic"))(x, cw)

@@ -154,17 +154,21 @@ def test_narrow_outputs_walk_row_by_row(out_shape, minor):
   assert (cfg.cta_tile_m, cfg.cta_tile_n, cfg.grid_minor) == (128, 256, minor)
 
 
-def test_grouped_product_reads_side_by_side_operands_or_names_why_not():
-  """``grouped_matmul`` takes ``[M, G K]`` (the G operands side by side) for M in [1, 8) or
-  a multiple of 8 (TMA's row tiling), lowering for CUDA to one launch; other M, and columns
-  that are not G whole operands, are refused by name (the caller's chunk-major copy runs
-  them)."""
+def test_grouped_product_reads_side_by_side_operands_in_place():
+  """``grouped_matmul`` takes ``[M, G K]`` (the G operands side by side) and lowers for CUDA
+  to one launch reading them in place (no transposed copy) where the 8-row tile views M
+  rows (``rows_in_place``: below 8 or a multiple of 8; several row tiles per product, and
+  rows ending inside a tile, included), with the stacked copy otherwise (20 rows); columns
+  that are not G whole operands are refused by name."""
   f32 = jnp.float32
   fn = jax.jit(lambda a, b: gemm_mosaic.grouped_matmul(a, b, out_dtype=f32))
   w = S((8, 256, 2048), jnp.bfloat16)
-  for m in (1, 4, 64, 256):
+  for m in (1, 4, 8, 20, 40, 64, 72, 200, 256):
     exported = jax.export.export(fn, platforms=["cuda"])(S((m, 2048), jnp.bfloat16), w)
     assert exported.out_avals[0].shape == (8, m, 2048)
-  for m, k in ((20, 2048), (0, 2048), (64, 2000)):
-    with pytest.raises(ValueError, match="lhs \\[M, G K\\]|rhs must be"):
-      jax.eval_shape(fn, S((m, k), jnp.bfloat16), w)
+    copies = "stablehlo.transpose" in exported.mlir_module()
+    assert copies == (not mosaic_loop.rows_in_place(m)), m
+  assert [m for m in range(0, 70) if mosaic_loop.rows_in_place(m)] == [
+      *range(1, 8), *range(8, 70, 8)]
+  with pytest.raises(ValueError, match="lhs \\[M, G K\\] needs"):
+    jax.eval_shape(fn, S((64, 2000), jnp.bfloat16), w)
