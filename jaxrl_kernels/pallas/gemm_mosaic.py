@@ -199,8 +199,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   ``[G Mp, K]``; the kernel walks the stacked rows as one ``[G Mp, N]`` output and points
   each CTA tile at its own weight (``mosaic_loop.persistent_matmul``'s ``group_rows``). A
   tile runs the instructions of ``matmul(lhs[g], rhs[g])``'s tiles: every element has its
-  bits (every config gives the same bits; zero rows change no other row). ``K`` must be a multiple of
-  ``TILE_K`` and ``N`` one the kernel takes (:func:`supported_shape`).
+  bits (every config gives the same bits; zero rows change no other row). ``K`` must be a
+  multiple of ``TILE_K`` and ``N`` one the kernel takes (:func:`supported_shape`).
 
   ``lhs`` may also be ``[M, G K]``, the ``G`` products' operands side by side (the K
   chunks of one activation, as they lie in memory): the kernel reads each product's
