@@ -73,7 +73,9 @@ DECODE = [
     C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
     C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4),
 ]
-LISTS = dict(small=SMALL, m256=M256, large=LARGE, wide=WIDE, decode=DECODE)
+# 64 < M <= 512: the tiles gemm_mosaic.mid_config picks from.
+MID_TILES = [cfg for cfg, _ in gm.MID_TILES]
+LISTS = dict(small=SMALL, m256=M256, large=LARGE, wide=WIDE, decode=DECODE, mid=MID_TILES)
 SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336, 4096),
           (4096, 4096, 4096), (8192, 4096, 14336), (8192, 4096, 151936)]
 

@@ -100,6 +100,8 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
                           max_concurrent_steps=4)
     return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                         max_concurrent_steps=8)
+  if m <= MID_ROWS and n >= 256:
+    return mid_config(m, n)
   big_tiles = -(-m // 128) * -(-n // 256)  # CTA tiles of the large config
   if n < 256 or big_tiles < 96:
     # Too few 128x256 tiles to fill the 132 SMs: 64x128 CTA tiles instead.
@@ -122,6 +124,45 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
   minor = "n" if n <= 4 * 256 else "m"
   return MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=3, grid_minor=minor, grid_tile_width=8)
+
+
+# Rows of a step of a few hundred sequences (a rollout's decode step, 64 < M <= MID_ROWS):
+# each product is one or two waves of CTA tiles, so the tile is picked by the time of its
+# waves (:func:`mid_config`).
+MID_ROWS = 512
+# (config, its CTA tile's throughput relative to 128 x 256). The ratios fit a sweep at
+# M = 256 (benchmarks/tune_gemm_mosaic.py --lists mid; H100): the largest tile keeps its
+# SM's tensor cores busiest, a smaller one spreads a product over more SMs.
+MID_TILES = (
+    (MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+                  max_concurrent_steps=4, grid_minor="m", grid_tile_width=2), 1.0),
+    (MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
+                  max_concurrent_steps=6, grid_minor="m", grid_tile_width=2), 0.87),
+    (MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
+                  max_concurrent_steps=6), 0.6),
+)
+
+
+def mid_config(m: int, n: int, groups: int = 1) -> MosaicConfig:
+  """The config of ``groups`` products of ``[m, n]`` outputs (``N >= 256``) whose waves of
+  CTA tiles take the least time: waves x tile area / the tile's relative throughput.
+
+  At M = 256 (H100, us): Qwen2.5-1.5B's gate_up (N = 17920, K = 1536) 33.7 with 128 x 128
+  tiles against 40.7 with 128 x 256 (140 tiles: a second wave of 8); its down_proj's four
+  K chunks (N = 1536, K = 2240) 18.3 against 26.8 and 22.3 (64 x 128); Llama-3.2-1B's
+  gate_up (N = 16384, one wave of 128 x 256) 29.6 against 31.0; Qwen2.5-0.5B's (N = 9728,
+  K = 896) 13.3 against 15.8 and 16.6; a qkv product (N = 2048) 8.1 with 64 x 128 against
+  10.2 and 17.6. A shape's rule, not the device's.
+  """
+  if n < 256:
+    raise ValueError(f"mid_config: N={n} is below the 256 columns of its widest tile")
+
+  def waves_time(entry):
+    cfg, throughput = entry
+    tiles = groups * -(-m // cfg.cta_tile_m) * -(-n // cfg.cta_tile_n)
+    return -(-tiles // DEFAULT_NUM_SMS) * cfg.cta_tile_m * cfg.cta_tile_n / throughput
+
+  return min(MID_TILES, key=waves_time)[0]
 
 
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
@@ -227,7 +268,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   # CTA tiles, g N / 64 of them, each streaming its weight columns. (Qwen2.5-0.5B rollout,
   # 64 prompts, H100: the decode step 1.652 -> 1.628 ms with 8 chunks, 1.675 -> 1.618 with
   # the canonical (2, 4); the stacked rows' 64 x 128 tiles gave half as many CTAs.)
-  cfg = default_config(m, n, k) if m <= 64 else default_config(g * m, n, k)
+  # Products of a few hundred rows each: the tile whose waves over all G products take the
+  # least time (Qwen2.5-1.5B's down_proj, 4 chunks of 256 x 1536: 18.3 us with 128 x 128
+  # tiles against 22.3 with the stacked rows' 64 x 128).
+  if m <= 64:
+    cfg = default_config(m, n, k)
+  elif m <= MID_ROWS and n >= 256:
+    cfg = mid_config(m, n, groups=g)
+  else:
+    cfg = default_config(g * m, n, k)
   cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
   m_pad = max(cfg.cta_tile_m, round_up(m, cfg.cta_tile_m))  # whole CTA tiles, M = 0 too
   why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)

@@ -65,6 +65,8 @@ def test_every_mosaic_config_gives_the_same_bits():
                       max_concurrent_steps=8),
       gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=4),
+      # The tiles of a step of a few hundred rows (gm.mid_config).
+      *(cfg for cfg, _ in gm.MID_TILES),
   ]
   outs = [bits(gm.matmul(a, b, lhs_transposed=False, rhs_transposed=False,
                          out_dtype=jnp.bfloat16, config=c)) for c in configs]

@@ -139,6 +139,36 @@ def test_decode_tiles_widen_past_one_wave(n, tile_n):
   assert f"det_matmul_k2048_n{n}" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("m,n,groups,cta", [
+    (256, 17920, 1, (128, 128)),  # 140 tiles of 128 x 256: a second wave of 8
+    (256, 16384, 1, (128, 256)),  # 128 tiles: one wave
+    (256, 2048, 1, (64, 128)),    # 16 tiles of 128 x 256 leave 116 SMs idle
+    (256, 1536, 4, (128, 128)),   # four K chunks of a down_proj
+    (256, 1536, 8, (128, 256)),   # eight: 96 tiles of 128 x 256
+    (512, 14336, 1, (128, 256)),
+])
+def test_a_few_hundred_rows_take_the_fastest_waves(m, n, groups, cta):
+  """64 < M <= 512 (a rollout's decode step over a few hundred sequences): the CTA tile
+  whose waves over all the products take the least time, plain and grouped; the chosen
+  config builds the CUDA kernel (a shape's rule; every config gives the same bits,
+  tests/gemm/test_det_matmul_gpu.py)."""
+  cfg = gemm_mosaic.mid_config(m, n, groups)
+  assert (cfg.cta_tile_m, cfg.cta_tile_n) == cta
+  if groups == 1:
+    assert gemm_mosaic.default_config(m, n, 1024) == cfg
+    fn = jax.jit(lambda a, b: gemm_mosaic.matmul(a, b, lhs_transposed=False,
+                                                 rhs_transposed=False, out_dtype=jnp.bfloat16))
+    args = (S((m, 1024), jnp.bfloat16), S((1024, n), jnp.bfloat16))
+  else:
+    fn = jax.jit(lambda a, b: gemm_mosaic.grouped_matmul(a, b, out_dtype=jnp.float32))
+    args = (S((m, groups * 256), jnp.bfloat16), S((groups, 256, n), jnp.bfloat16))
+  (traced,) = _traced_loops(fn, *args)
+  assert (traced.cta_tile_m, traced.cta_tile_n) == cta
+  jax.export.export(fn, platforms=["cuda"])(*args)
+  with pytest.raises(ValueError, match="N=128"):
+    gemm_mosaic.mid_config(m, 128)
+
+
 @pytest.mark.parametrize("out_shape,minor", [
     ((16384, 896), "n"),    # 4 column tiles of 256: row by row
     ((16384, 1024), "n"),
