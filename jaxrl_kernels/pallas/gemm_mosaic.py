@@ -81,11 +81,12 @@ def wave_use(m: int, n: int, cta_m: int, cta_n: int, sms: int = DEFAULT_NUM_SMS)
   return m * n / (-(-tiles // sms) * sms * cta_m * cta_n)
 
 
-def default_config(m: int, n: int, k: int) -> MosaicConfig:
+def default_config(m: int, n: int, k: int, groups: int = 1) -> MosaicConfig:
   """Picks free knobs by shape (measured on an H100: benchmarks/tune_gemm_mosaic.py).
 
   Only tiles, warpgroups and walk order change; every config gives the same
   bits (tests/gemm/test_det_matmul_gpu.py::test_every_mosaic_config_gives_the_same_bits).
+  ``groups``: ``grouped_matmul``'s ``G`` products of ``m`` rows each, in one launch.
   """
   del k
   if m <= 64:
@@ -101,7 +102,8 @@ def default_config(m: int, n: int, k: int) -> MosaicConfig:
     return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                         max_concurrent_steps=8)
   if m <= MID_ROWS and n >= 256:
-    return mid_config(m, n)
+    return mid_config(m, n, groups)
+  m *= groups  # larger products: their rows stacked, as one product's
   big_tiles = -(-m // 128) * -(-n // 256)  # CTA tiles of the large config
   if n < 256 or big_tiles < 96:
     # Too few 128x256 tiles to fill the 132 SMs: 64x128 CTA tiles instead.
@@ -271,12 +273,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   # Products of a few hundred rows each: the tile whose waves over all G products take the
   # least time (Qwen2.5-1.5B's down_proj, 4 chunks of 256 x 1536: 18.3 us with 128 x 128
   # tiles against 22.3 with the stacked rows' 64 x 128).
-  if m <= 64:
-    cfg = default_config(m, n, k)
-  elif m <= MID_ROWS and n >= 256:
-    cfg = mid_config(m, n, groups=g)
-  else:
-    cfg = default_config(g * m, n, k)
+  cfg = default_config(m, n, k, groups=g)
   cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
   m_pad = max(cfg.cta_tile_m, round_up(m, cfg.cta_tile_m))  # whole CTA tiles, M = 0 too
   why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)
