@@ -187,9 +187,9 @@ def _tile_stats(z, ok, zero):
   zt = z.reshape(rows, nt, VOCAB_TILE)
   okt = ok.reshape(1, nt, VOCAB_TILE)
   m = jnp.max(zt, axis=-1)
-  x = jnp.where(okt, zt - m[..., None], -jnp.inf)
+  x = jnp.where(okt, zt - sp.finite_max(m)[..., None], -jnp.inf)
   e = guard(jnp.exp(x), zero)  # exp(-inf) = 0 on padding columns
-  d = guard(jnp.where(okt, e * x, 0.0), zero)
+  d = guard(jnp.where(okt & (zt != -jnp.inf), e * x, 0.0), zero)
   return m, tree_sum_last(e), tree_sum_last(d)
 
 
@@ -407,7 +407,7 @@ def _dlogits(z, ok, lse, mean_z, g_logp, g_ent, lt, active, inv_temperature, zer
   0 at padding columns and at rows without a cotangent (a select: NaN there stays out)."""
   cols = lax.broadcasted_iota(jnp.int32, z.shape, 1)
   p = guard(jnp.exp(z - lse[:, None]), zero)  # 0 on padding columns (z = -inf)
-  zc = jnp.where(ok[None, :], z - mean_z[:, None], 0.0)
+  zc = jnp.where(ok[None, :] & (z != -jnp.inf), z - mean_z[:, None], 0.0)
   onehot = (cols == lt[:, None]).astype(jnp.float32)
   a = guard(g_logp[:, None] * (onehot - p), zero)
   b = guard(g_ent[:, None] * (p * zc), zero)

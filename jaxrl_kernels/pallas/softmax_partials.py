@@ -95,6 +95,14 @@ def scale_logits(z, bias_row, inv_temperature):
   return z
 
 
+def finite_max(m):
+  """A tile's row max for ``z - m``: ``m``, or 0 where the row has no logit above ``-inf``
+  in the tile (every column masked, e.g. by a ``-inf`` bias). Such a row's tile then gives
+  ``e = 0``, ``s = u = 0`` (an empty tile, which :func:`merge_step` skips exactly) instead
+  of ``exp(-inf - -inf)`` = NaN; every other row is unchanged."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
 def tile_stats(z, col_ok, *, interpret: bool):
   """Per-row ``(m, s, u)`` of a float32 logits tile ``z [rows, VOCAB_TILE]``
   (masked columns -inf, ``col_ok [VOCAB_TILE]`` their mask), in the Triton
@@ -109,8 +117,9 @@ def tile_stats(z, col_ok, *, interpret: bool):
   the training call); IEEE basic operations round the same way in any fusion.
   """
   m = jnp.max(z, axis=1)  # exact in any order
-  e = (exp_arith if interpret else jnp.exp)(z - m[:, None])  # exp(-inf) = 0 on masked columns
-  d = jnp.where(col_ok[None, :], e * (z - m[:, None]), 0.0)
+  m0 = finite_max(m)
+  e = (exp_arith if interpret else jnp.exp)(z - m0[:, None])  # exp(-inf) = 0 on masked columns
+  d = jnp.where(col_ok[None, :] & (z != -jnp.inf), e * (z - m0[:, None]), 0.0)
   if not interpret:
     return m, jnp.sum(e, axis=1), jnp.sum(d, axis=1)
   width = z.shape[1]
@@ -127,10 +136,10 @@ def tile_stats_2d(z, col_ok):
   layout, row vectors broadcast with ``broadcast_in_dim``). Masks ``z`` itself."""
   z = jnp.where(col_ok, z, -jnp.inf)
   m = jnp.max(z, axis=1)
-  zm = z - lax.broadcast_in_dim(m, z.shape, [0])
+  zm = z - lax.broadcast_in_dim(finite_max(m), z.shape, [0])
   e = jnp.exp(zm)  # exp(-inf) = 0 on masked columns
   s = jnp.sum(e, axis=1)
-  u = jnp.sum(jnp.where(col_ok, e * zm, 0.0), axis=1)
+  u = jnp.sum(jnp.where(col_ok & (z != -jnp.inf), e * zm, 0.0), axis=1)
   return z, m, s, u
 
 
@@ -204,7 +213,9 @@ def logit_grad(z, lse, mean_z, onehot, g_logp, g_ent, col_ok, inv_temperature, *
   p = jnp.exp(z - lse)  # 0 on masked columns where z = -inf
   if mask_p:
     p = jnp.where(col_ok, p, 0.0)
-  zc = jnp.where(col_ok, z - mean_z, 0.0)
+  # A -inf logit (a column masked by the bias) has p = 0 and no entropy term: 0, not
+  # 0 * -inf.
+  zc = jnp.where(col_ok & (z != -jnp.inf), z - mean_z, 0.0)
   dz = g_logp * (onehot - p) - g_ent * (p * zc)
   if inv_temperature is not None:
     dz = dz * inv_temperature

@@ -191,3 +191,54 @@ def test_sampler_side_functions_refuse_to_be_differentiated(impl):
   # the differentiable head still differentiates
   dh = jax.grad(lambda h: jnp.sum(head_logits(h, w, implementation=impl)))(h)
   assert np.allclose(np.asarray(dh), np.broadcast_to(np.asarray(w).sum(1), (4, 16)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl,dtype,tol", [
+    ("cpu", jnp.float32, 2e-5), ("interpret", jnp.float32, 2e-5),
+    pytest.param("triton", jnp.bfloat16, 2e-2, marks=pytest.mark.gpu),
+    pytest.param("mosaic", jnp.bfloat16, 2e-2, marks=pytest.mark.hopper)])
+def test_a_bias_masking_whole_vocab_tiles_gives_the_log_probs(impl, dtype, tol):
+  """A ``-inf`` bias over a whole vocabulary tile (128 ids) and over single ids of other
+  tiles (masking tokens): log-probs, entropy and every gradient equal the float64 softmax
+  over the unmasked ids (of the inputs as given, bf16 on the GPU kernels), where the
+  kernels gave NaN (a tile's ``exp(-inf - -inf)``, and ``0 * -inf`` in the entropy
+  terms). A target on a masked id gets ``-inf``, as from the reference softmax; the sampler
+  side (``head_logits`` statistics) gives the trainer's bits."""
+  t, h, v = 9, 16, 300
+  x, w, _, b = _case(seed=5, t=t, h=h, v=v)
+  x, w = x.astype(dtype), w.astype(dtype)
+  masked = np.zeros(v, bool)
+  masked[128:256] = True
+  masked[[3, 77, 260]] = True
+  b = jnp.where(jnp.asarray(masked), -jnp.inf, b)
+  keep = np.flatnonzero(~masked)
+  tg = jnp.asarray(keep[np.arange(t) * 7 % keep.size])
+  g_logp = jax.random.normal(jax.random.key(11), (t,), jnp.float32)
+  g_ent = jax.random.normal(jax.random.key(12), (t,), jnp.float32)
+
+  def loss(x, w, b):
+    lp, ent = linear_logp(x, w, tg, bias=b, return_entropy=True, implementation=impl)
+    return jnp.sum(lp * g_logp + ent * g_ent), (lp, ent)
+
+  (_, (lp, ent)), (dx, dw, db) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+      x, w, b)
+  remap = np.full(v, -1)
+  remap[keep] = np.arange(keep.size)
+  ref = linear_logp_reference(np.asarray(x, np.float64), np.asarray(w, np.float64)[:, keep],
+                              remap[np.asarray(tg)],
+                              bias=np.asarray(b)[keep], g_logp=np.asarray(g_logp),
+                              g_ent=np.asarray(g_ent))
+  want_dw = np.zeros((h, v))
+  want_dw[:, keep] = ref["dw"]
+  want_db = np.zeros(v)
+  want_db[keep] = ref["db"]
+  for got, want, name in ((lp, ref["logp"], "logp"), (ent, ref["entropy"], "entropy"),
+                          (dx, ref["dh"], "dh"), (dw, want_dw, "dw"), (db, want_db, "db")):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), name
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=name)
+  on_masked = linear_logp(x, w, jnp.full((t,), 130), bias=b, implementation=impl)
+  assert np.all(np.asarray(on_masked) == -np.inf)
+  z, stats = head_logits(x, w, bias=b, return_stats=True, implementation=impl)
+  assert_bitwise_equal(logp_from_stats(z, stats, tg), lp, "sampler side == trainer")
+  assert_bitwise_equal(stats.entropy, ent, "sampler entropy == trainer")
