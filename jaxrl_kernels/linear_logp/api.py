@@ -48,6 +48,10 @@ class Backend:
     partials_from_logits: ``(logits2d, targets, *, compute_dtype) -> (m, s, u,
       target_logit)`` as ``tile_partials`` would give them for those logits, or
       None when the implementation has none.
+    logits_draw: ``(hidden2d, weight, bias, seed, *, layout, temperature,
+      compute_dtype) -> (tokens, token_logits, (m, s, u))``, a token per row drawn in the
+      logits kernel (``pallas.draw``) with ``logits``' statistics, or None (the draw then
+      runs on the stored logits).
   """
 
   name: str
@@ -56,6 +60,7 @@ class Backend:
   backward: Callable
   logits: Callable
   partials_from_logits: Callable | None = None
+  logits_draw: Callable | None = None
 
 
 def _pallas_backward(*args, gemm: str, interpret: bool, default_kernel: str,
@@ -88,7 +93,8 @@ _MOSAIC = Backend(
                                default_kernel="gemm"),
     logits=linear_logp_mosaic.logits,
     partials_from_logits=lambda z, t, *, compute_dtype: linear_logp_mosaic.partials_from_logits(
-        z, t))
+        z, t),
+    logits_draw=linear_logp_mosaic.logits_draw)
 
 
 def _cpu_backend() -> Backend:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxrl_kernels import _validation, contract
 from jaxrl_kernels.gemm import det_matmul
 from jaxrl_kernels.linear_logp import api, xla
+from jaxrl_kernels.pallas import draw
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 
@@ -242,6 +243,63 @@ def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Arra
   z, (m, s, u) = _stats_project(h2, weight, bias, temp, st)
   parts = LogitPartials(*(x.reshape(n_tiles, *lead) for x in (m, s, u)))
   return z.reshape(*lead, v), parts
+
+
+def head_draw_partials(hidden: jax.Array, weight: jax.Array, seed: jax.Array, *,
+                       bias: jax.Array | None = None, temperature: float | jax.Array = 1.0,
+                       weight_layout: str = "hv", fp32_head: bool = False,
+                       implementation: str | None = None
+                       ) -> tuple[jax.Array, jax.Array, LogitPartials]:
+  """A token per row drawn from ``softmax(z)``, ``z`` the logits of :func:`head_logits`, with
+  its logit and :func:`head_logits_partials`' statistics.
+
+  The draw is the exponential race of :mod:`jaxrl_kernels.pallas.draw`, its noise keyed by
+  ``seed`` (int32 ``[2]``, e.g. ``draw.seed_words(key)``) and the row index (the row of the
+  flattened ``hidden``). On Hopper (``"mosaic"``) it runs in the LM head's epilogue and no
+  logits reach memory; the other implementations run it on their stored logits, tile by
+  tile. The token's logit and the statistics are the fused op's bits:
+  :func:`merge_logit_partials` and ``logp = logit - lse`` give ``linear_logp``'s
+  log-prob of the drawn token bitwise. ``"xla"`` has no partials (a ValueError).
+
+  Returns:
+    ``(tokens [...] int32, token logits [...] float32, LogitPartials of [n_tiles, ...])``.
+  """
+  op = "head_draw_partials"
+  hidden, weight, bias, temperature, compute_dtype, impl, hd, v = _check_head(
+      op, hidden, weight, bias, temperature, weight_layout, fp32_head, implementation)
+  if impl == "xla":
+    raise ValueError(f"{op}: implementation='xla' has no per-tile statistics; draw from "
+                     f"head_logits(...) instead")
+  seed = jnp.asarray(seed)
+  if seed.shape != (2,) or seed.dtype != jnp.int32:
+    raise ValueError(f"{op}: seed must be int32 [2] (draw.seed_words(key)), got "
+                     f"{seed.dtype} {seed.shape}")
+  lead = hidden.shape[:-1]
+  n_tiles = -(-v // contract.VOCAB_TILE)
+  h2 = hidden.reshape(math.prod(lead), hd)
+  if h2.shape[0] == 0:
+    empty = jnp.zeros((n_tiles, *lead), jnp.float32)
+    return (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.float32),
+            LogitPartials(empty - jnp.inf, empty, empty))
+  h2, weight = api.with_features(h2, weight, weight_layout)
+  temp = sp.temperature_scalar(temperature)
+  st = _Static(weight_layout, compute_dtype.name, impl)
+  be = api.backend(impl)
+
+  def sg(x):
+    return _validation.no_gradient(op, "hidden/weight/bias", x)
+
+  h2, weight = sg(h2), sg(weight)
+  bias = None if bias is None else sg(bias)
+  if be.logits_draw is not None:
+    tokens, tz, (m, s, u) = be.logits_draw(
+        h2, weight, bias, seed, layout=weight_layout,
+        temperature=1.0 if temp is None else temp, compute_dtype=st.compute_dtype)
+  else:
+    z, (m, s, u) = _stats_project(h2, weight, bias, temp, st)
+    tokens, tz = draw.draw_from_logits(z, seed, tile=contract.VOCAB_TILE)
+  parts = LogitPartials(*(x.reshape(n_tiles, *lead) for x in (m, s, u)))
+  return tokens.reshape(lead), tz.reshape(lead), parts
 
 
 def merge_logit_partials(partials: LogitPartials, *, implementation: str | None = None

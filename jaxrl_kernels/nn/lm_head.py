@@ -25,6 +25,7 @@ from jaxrl_kernels.linear_logp import api as _api
 from jaxrl_kernels.linear_logp import linear_logp
 from jaxrl_kernels.linear_logp.logits import LogitPartials as LogitPartials
 from jaxrl_kernels.linear_logp.logits import LogitStats as LogitStats
+from jaxrl_kernels.linear_logp.logits import head_draw_partials as head_draw_partials
 from jaxrl_kernels.linear_logp.logits import head_logits as head_logits
 from jaxrl_kernels.linear_logp.logits import head_logits_partials as head_logits_partials
 from jaxrl_kernels.linear_logp.logits import logits_logp as logits_logp
@@ -118,6 +119,17 @@ class LMHead(nnx.Module):
     return head_logits_partials(self.hidden(h), self.weight(), bias=self.bias_value(),
                                 temperature=temperature, weight_layout=self.weight_layout,
                                 fp32_head=self.fp32_head, implementation=self.implementation)
+
+  def draw_partials(self, h: jax.Array, seed: jax.Array, temperature: float = 1.0):
+    """A token per row drawn from ``softmax(self.logits(h, temperature))`` with its logit and
+    the per-tile statistics of :meth:`logits_partials` (:func:`head_draw_partials`: on
+    Hopper the draw runs in the head's kernel and no logits reach memory):
+    ``(tokens, token_logits, LogitPartials)``. None for ``implementation="xla"``."""
+    if self.implementation == "xla":
+      return None
+    return head_draw_partials(self.hidden(h), self.weight(), seed, bias=self.bias_value(),
+                              temperature=temperature, weight_layout=self.weight_layout,
+                              fp32_head=self.fp32_head, implementation=self.implementation)
 
   def merge_partials(self, partials: LogitPartials) -> LogitStats:
     """:class:`LogitStats` of :meth:`logits_partials`' statistics, of one call or of several

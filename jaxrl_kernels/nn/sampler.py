@@ -32,6 +32,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxrl_kernels import contract
 from jaxrl_kernels.nn.lm_head import LMHead, LogitPartials, logp_from_stats
 from jaxrl_kernels.nn.tiny_lm import KVCache
+from jaxrl_kernels.pallas import draw as race
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 
@@ -135,7 +136,8 @@ SAMPLER_CHUNK = 32
 
 def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
-              top_p: float | None, steps_per_chunk: int = SAMPLER_CHUNK):
+              top_p: float | None, steps_per_chunk: int = SAMPLER_CHUNK,
+              fused_draw: bool = True):
   b, p = prompts.shape
   n = max_new_tokens
   total = p + n
@@ -157,6 +159,9 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   # bitwise those of a per-step merge. Other heads (the stock path, a vocab-parallel head)
   # report each step's log-prob at once.
   deferred = hasattr(head, "logits_partials") and getattr(head, "implementation", None) != "xla"
+  # The draw in the head's own pass (no top-k / top-p: those need the sorted logits).
+  fused = (deferred and fused_draw and top_k is None and top_p is None
+           and hasattr(head, "draw_partials"))
   k = max(1, min(n - 1, steps_per_chunk))
   if deferred:
     n_tiles = -(-v // contract.VOCAB_TILE)
@@ -170,21 +175,28 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
     """Samples token ``i`` of every row from ``h`` and records it (its log-prob, or what
     the chunk's merge needs for it, in ``slot`` of ``buf``)."""
     tokens, mask, logp, done = state
-    if deferred:
+    if fused:
+      # One head pass draws the token (the race of pallas.draw, keyed by the step's seed)
+      # and gives its logit and the per-tile statistics; no logits in memory on Hopper.
+      seed = race.seed_words(jax.random.fold_in(key, i))
+      tok, tz, stats = head.draw_partials(h, seed, temperature=temperature)
+    elif deferred:
       # One head pass: the logits and their per-tile statistics from the same kernel (the
       # fused op's own per-tile code), merged with the chunk in flush().
       logits, stats = head.logits_partials(h, temperature=temperature)
     else:
       # The logits and their merged statistics (stock path: a plain log-softmax).
       logits, stats = head.logits(h, temperature=temperature, return_stats=True)
-    tok = draw(jax.random.fold_in(key, i), logits, top_k=top_k, top_p=top_p)
+    if not fused:
+      tok = draw(jax.random.fold_in(key, i), logits, top_k=top_k, top_p=top_p)
     live = ~done
     at = prompt_lengths + i
     tokens = tokens.at[rows, at].set(jnp.where(live, tok, 0))
     mask = mask.at[rows, at].set(live)
     if deferred:
       parts, tz_buf, tok_buf = buf
-      tz = jnp.take_along_axis(logits, jnp.clip(tok, 0, v - 1)[:, None], axis=-1)[:, 0]
+      if not fused:
+        tz = jnp.take_along_axis(logits, jnp.clip(tok, 0, v - 1)[:, None], axis=-1)[:, 0]
       buf = (tuple(x.at[:, slot].set(y) for x, y in zip(parts, stats, strict=True)),
              tz_buf.at[slot].set(tz), tok_buf.at[slot].set(tok))
     else:
@@ -242,7 +254,7 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
 
 _generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature",
                                                     "stop_ids", "top_k", "top_p",
-                                                    "steps_per_chunk"))
+                                                    "steps_per_chunk", "fused_draw"))
 
 
 def _is_int(x) -> bool:
@@ -253,15 +265,17 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
            eos_id: int | None = None, stop_ids: Sequence[int] = (),
            top_k: int | None = None, top_p: float | None = None,
-           steps_per_chunk: int = SAMPLER_CHUNK) -> SampleResult:
+           steps_per_chunk: int = SAMPLER_CHUNK, fused_draw: bool = True) -> SampleResult:
   """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
-  Prefills the prompts, then per step: logits and their statistics from one head pass
-  (``model.head.logits_partials``, the per-tile statistics merged once per chunk of
-  ``steps_per_chunk`` steps, or ``model.head.logits(h, T, return_stats=True)`` for heads
-  without it), a token drawn with ``fold_in(key, step)`` (optionally restricted to the
-  top-k / top-p candidates), its log-prob ``logp_from_stats`` (bitwise ``model.head(h,
-  token, temperature=T)`` on the kernel paths: the trainer's ``model.logp``), then
+  Prefills the prompts, then per step: a token drawn with ``fold_in(key, step)`` and the
+  logits' statistics from one head pass (``model.head.draw_partials``, the draw in the
+  head's own kernel, see ``fused_draw``; or ``model.head.logits_partials`` and a draw from
+  the logits, optionally restricted to the top-k / top-p candidates; the per-tile
+  statistics merged once per chunk of ``steps_per_chunk`` steps; or
+  ``model.head.logits(h, T, return_stats=True)`` for heads without partials), its log-prob
+  (bitwise ``model.head(h, token, temperature=T)`` on the kernel paths: the trainer's
+  ``model.logp``), then
   ``model.decode_step``. Rows that sampled a stop id stop; the loop ends early (at a chunk
   boundary) when every row has.
 
@@ -284,6 +298,13 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
       (its condition is read by the host once per chunk) and, with a kernel head, per
       merge of the LM-head statistics (one launch for the chunk's rows). Changes no bit;
       after every row has stopped, at most ``2 (steps_per_chunk - 1)`` steps still run.
+    fused_draw: static bool. With a kernel head and neither ``top_k`` nor ``top_p``, True
+      draws each token in the head's own pass (``head.draw_partials``: the exponential race
+      of :mod:`jaxrl_kernels.pallas.draw`, its noise a counter-based hash of the step's
+      ``fold_in(key, step)``, the row and the column; on Hopper no ``[B, V]`` logits reach
+      memory). False draws with ``jax.random.categorical`` from stored logits. Either
+      is a draw from the same softmax, with other tokens for the same key; the reported
+      log-probs are the trainer's bits either way.
 
   Returns:
     A :class:`SampleResult`.
@@ -316,13 +337,15 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     raise ValueError(f"sample: top_p must be None or a float in (0, 1], got {top_p!r}")
   if not _is_int(steps_per_chunk) or steps_per_chunk < 1:
     raise ValueError(f"sample: steps_per_chunk must be an int >= 1, got {steps_per_chunk!r}")
+  if not isinstance(fused_draw, bool | np.bool_):
+    raise ValueError(f"sample: fused_draw must be a bool, got {fused_draw!r}")
   return _generate_jit(model, prompts, prompt_lengths, key, max_new_tokens=int(max_new_tokens),
                        temperature=float(temperature),
                        stop_ids=tuple(sorted({int(s) for s in ids})),
                        top_k=None if top_k is None else int(top_k),
                        # top_p = 1 keeps every token: no truncation (as in transformers).
                        top_p=None if top_p is None or top_p == 1 else float(top_p),
-                       steps_per_chunk=int(steps_per_chunk))
+                       steps_per_chunk=int(steps_per_chunk), fused_draw=bool(fused_draw))
 
 
 # --------------------------------------------------------------------------------- scoring

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import contract
-from jaxrl_kernels.pallas import _common, mosaic_loop
+from jaxrl_kernels.pallas import _common, draw, mosaic_loop
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 TILE_K = contract.GEMM_TILE_K
@@ -65,6 +65,7 @@ _CTA_N = _NUM_WGS * VOCAB_TILE
 # rows on jax 0.11.2): columns 4 c .. 4 c + 3 hold (m, s, u, tz) of the c-th 64-row chunk
 # of a 128-row CTA tile. See _unpack.
 PACK = 8
+DRAW_PACK = 16  # with a draw: seven statistics per 64-row chunk, in 8 columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,61 +93,85 @@ class MosaicLogpConfig:
         grid_tile_width=self.grid_tile_width)
 
 
-def tile_epilogue(z, col_ids, tg, *, valid_vocab: int):
+def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None):
   """Per-row ``(m, s, u, tz)`` of one float32 logits tile ``z [EPI_ROWS, VOCAB_TILE]``.
 
   ``col_ids``: int32 local column index per element; ``tg``: int32 ``[rows]``
   local target ids (anything when not in the tile). Columns ``>= valid_vocab``
   are masked to -inf. The one definition shared by the fused kernel and the
   from-logits kernel: the same ops on the same register layout.
+
+  With ``keys`` (the rows' two draw key words, ``[rows]`` int32 each), also the tile's
+  draw ``(key, col, logit)`` (:func:`draw.tile_draw`) from the same exponentials:
+  seven statistics.
   """
-  z, m, s, u = sp.tile_stats_2d(z, col_ids < valid_vocab)
+  if keys is None:
+    z, m, s, u = sp.tile_stats_2d(z, col_ids < valid_vocab)
+  else:
+    z, m, s, u, e = sp.tile_stats_2d(z, col_ids < valid_vocab, with_exp=True)
   tg = jnp.where(tg < valid_vocab, tg, -1)  # a target in a masked column has no logit here
   tz = sp.target_logit(z, col_ids == lax.broadcast_in_dim(tg, z.shape, [0]))
-  return m, s, u, tz
+  if keys is None:
+    return m, s, u, tz
+  k1, k2 = (lax.broadcast_in_dim(k, z.shape, [0]) for k in keys)
+  return (m, s, u, tz, *draw.tile_draw(z, m, e, col_ids, k1, k2))
 
 
 def _pack(packed, pack_ids, stats, c: int):
-  """Puts the four ``[EPI_ROWS]`` row statistics of chunk ``c`` in columns ``4c..4c+3``."""
+  """Puts chunk ``c``'s ``[EPI_ROWS]`` row statistics (four, or seven with a draw) in
+  columns ``w c ..``, ``w`` = :func:`_width` of their count."""
+  w = _width(len(stats))
   for q, vec in enumerate(stats):
-    packed = jnp.where(pack_ids == 4 * c + q, lax.broadcast_in_dim(vec, packed.shape, [0]),
+    packed = jnp.where(pack_ids == w * c + q, lax.broadcast_in_dim(vec, packed.shape, [0]),
                        packed)
   return packed
 
 
-def _unpack(packed, n_tiles: int, t: int, tm: int):
-  """``[n, blocks * EPI_ROWS, PACK]`` packed statistics -> ``(m, s, u, tz_per_tile)``,
-  each ``[n_tiles, t]``: row ``blk * tm + 64 c + r`` sits at ``[:, blk * 64 + r, 4c + q]``."""
-  n, rows, _ = packed.shape
+def _width(count: int) -> int:
+  """Packed columns per 64-row chunk for ``count`` statistics: 4, or 8 (seven with a draw)."""
+  return 4 if count <= 4 else 8
+
+
+def _unpack(packed, n_tiles: int, t: int, tm: int, count: int = 4):
+  """``[n, blocks * EPI_ROWS, PACK or DRAW_PACK]`` packed statistics -> ``count`` arrays
+  (``(m, s, u, tz_per_tile)``, then a draw's ``(key, col, logit)``), each ``[n_tiles, t]``:
+  row ``blk * tm + 64 c + r`` sits at ``[:, blk * 64 + r, w c + q]``."""
+  n, rows, width = packed.shape
+  w = _width(count)
   nc = tm // EPI_ROWS
-  x = packed[:n_tiles].reshape(n_tiles, rows // EPI_ROWS, EPI_ROWS, PACK // 4, 4)[:, :, :, :nc]
-  x = x.transpose(4, 0, 1, 3, 2).reshape(4, n_tiles, (rows // EPI_ROWS) * nc * EPI_ROWS)
-  return tuple(x[q, :, :t] for q in range(4))
+  x = packed[:n_tiles].reshape(n_tiles, rows // EPI_ROWS, EPI_ROWS, width // w, w)[:, :, :, :nc]
+  x = x.transpose(4, 0, 1, 3, 2).reshape(w, n_tiles, (rows // EPI_ROWS) * nc * EPI_ROWS)
+  return tuple(x[q, :, :t] for q in range(count))
 
 
 def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: bool,
-            store_logits: bool, stats: bool, valid_vocab: int, cfg: MosaicLogpConfig):
+            store_logits: bool, stats: bool, valid_vocab: int, cfg: MosaicLogpConfig,
+            draws: bool = False):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
   # The temperature arrives as a [VOCAB_TILE] row, fetched like the bias.
   t_gmem = refs.pop(0) if has_temp else None
   tg_gmem = refs.pop(0) if stats else None
+  k1_gmem = refs.pop(0) if draws else None  # the rows' draw key words
+  k2_gmem = refs.pop(0) if draws else None
   z_gmem = refs.pop(0) if store_logits else None
-  # Epilogue operands, fetched during the main loop: the rows' target ids, the
-  # tile's bias and the temperature row.
+  # Epilogue operands, fetched during the main loop: the rows' target ids (and draw
+  # keys), the tile's bias and the temperature row.
   names, operands = [], []
-  for name, ref, kind in (("tg", tg_gmem, mosaic_loop.ROW), ("bias", b_gmem, mosaic_loop.COL),
+  for name, ref, kind in (("tg", tg_gmem, mosaic_loop.ROW), ("k1", k1_gmem, mosaic_loop.ROW),
+                          ("k2", k2_gmem, mosaic_loop.ROW), ("bias", b_gmem, mosaic_loop.COL),
                           ("temp", t_gmem, mosaic_loop.WHOLE)):
     if ref is not None:
       names.append(name)
       operands.append((ref, kind))
   outs = refs  # [packed statistics] when stats
   tm = cfg.tile_m
+  pack = DRAW_PACK if draws else PACK
   scratch = {}
   if store_logits:
     scratch["z_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
   if stats:
-    scratch["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, PACK), jnp.float32)
+    scratch["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, pack), jnp.float32)
 
   def partials(acc, tile: mosaic_loop.Tile, vec_smem, bufs):
     """Reduces the warpgroup's [tm, VOCAB_TILE] logits tile to packed row statistics,
@@ -164,8 +189,8 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
       temp_row = lax.broadcast_in_dim(vecs["temp"][wg], shape, [1])
     # The previous tile's stores must have read the staging buffer.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, PACK), 1)
-    packed = jnp.zeros((EPI_ROWS, PACK), jnp.float32)
+    pack_ids = lax.broadcasted_iota(jnp.int32, (EPI_ROWS, pack), 1)
+    packed = jnp.zeros((EPI_ROWS, pack), jnp.float32)
     for c in range(tm // EPI_ROWS):
       rows = pl.ds(c * EPI_ROWS, EPI_ROWS)
       z = sp.scale_logits(acc[c * EPI_ROWS:(c + 1) * EPI_ROWS], bias_row, temp_row)
@@ -178,7 +203,9 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
             z_smem.at[wg],
             z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
       if stats:
-        row_stats = tile_epilogue(z, col_ids, vecs["tg"][wg, rows], valid_vocab=valid_vocab)
+        keys = (vecs["k1"][wg, rows], vecs["k2"][wg, rows]) if draws else None
+        row_stats = tile_epilogue(z, col_ids, vecs["tg"][wg, rows], valid_vocab=valid_vocab,
+                                  keys=keys)
         packed = _pack(packed, pack_ids, row_stats, c)
     if stats:
       out_smem[wg] = packed
@@ -193,13 +220,15 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
 
 
 def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
-         stats: bool) -> MosaicLogpConfig:
+         stats: bool, draws: bool = False) -> MosaicLogpConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
   extra = 2 * _NUM_WGS * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
     extra += _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
   if stats:
     extra += _NUM_WGS * 5 * cfg.tile_m * 4
+  if draws:  # the rows' two key words, and the packed draw's wider statistics
+    extra += _NUM_WGS * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
   steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra)
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
@@ -233,15 +262,16 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
 
 
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_run, n_run,
-          store_logits, stats, cfg: MosaicLogpConfig, out_type):
+          store_logits, stats, cfg: MosaicLogpConfig, out_type, draws: bool = False):
   k = hidden.shape[1]
   temp = sp.temperature_operand(temperature)
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
       has_temp=temp is not None, store_logits=store_logits, stats=stats,
-      valid_vocab=valid_vocab, cfg=cfg)
-  f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop,
-                         name="lm_head_logits" if store_logits else "linear_logp_tiles")
+      valid_vocab=valid_vocab, cfg=cfg, draws=draws)
+  name = ("lm_head_draw" if draws else "lm_head_logits" if store_logits
+          else "linear_logp_tiles")
+  f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop, name=name)
   vecs = [x for x in (bias, None if temp is None else jnp.broadcast_to(temp, (VOCAB_TILE,)))
           if x is not None]
   return f(hidden, weight, *vecs, *extra)
@@ -329,6 +359,46 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
     return z
   m, s, u, _ = _unpack(outs[1], n_tiles, t, cfg.tile_m)
   return z, (m, s, u)
+
+
+def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
+                seed: jax.Array, *, layout: str, temperature, compute_dtype,
+                config: MosaicLogpConfig | None = None):
+  """A token per row drawn from ``softmax((h W + b) / temperature)`` in the LM head's
+  epilogue, with the per-tile statistics of :func:`logits` (``return_stats``): no logits
+  reach memory.
+
+  Each CTA's epilogue reduces its logit tiles to the softmax statistics of
+  :func:`tile_epilogue` and the race of :mod:`draw` (noise keyed by ``seed``, int32
+  ``[2]``, and the row index); the tiles' races are merged here (:func:`draw.merge_draws`).
+  The statistics are bitwise those of :func:`logits` (the same epilogue code on the same
+  registers), and the drawn token's logit is the one the fused op reduces: its log-prob
+  from them is bitwise ``linear_logp``'s.
+
+  Returns:
+    ``(tokens [T] int32, their logits [T] float32, (m, s, u) [n_tiles, T] each)``.
+  """
+  if not supported(compute_dtype):
+    raise TypeError(f"head_draw(mosaic): compute dtype must be bfloat16 or float16, got "
+                    f"{jnp.dtype(compute_dtype).name}")
+  t = hidden2d.shape[0]
+  cfg = config or MosaicLogpConfig(tile_m=64 if t <= 64 else 128)
+  v = weight.shape[1] if layout == "hv" else weight.shape[0]
+  n_tiles = pl.cdiv(v, VOCAB_TILE)
+  cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=False, stats=True,
+             draws=True)
+  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
+  k1, k2 = draw.row_keys(seed, jnp.arange(m_run, dtype=jnp.int32))
+  extra = (jnp.full((m_run,), -1, jnp.int32), k1, k2)
+  n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS
+  m_iters = pl.cdiv(m_run, cfg.tile_m)
+  packed = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
+                 m_run=m_run, n_run=n_run, store_logits=False, stats=True, cfg=cfg,
+                 out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, DRAW_PACK),
+                                                jnp.float32),), draws=True)[0]
+  m, s, u, _, key, col, logit = _unpack(packed, n_tiles, t, cfg.tile_m, count=7)
+  tokens, tz = draw.merge_draws(key, col, logit)
+  return tokens, tz, (m, s, u)
 
 
 def _from_logits_kernel(z_gmem, tg_gmem, *outs, valid_vocab: int):

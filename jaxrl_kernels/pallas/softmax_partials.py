@@ -130,17 +130,18 @@ def tile_stats(z, col_ok, *, interpret: bool):
   return m, e[:, 0], d[:, 0]
 
 
-def tile_stats_2d(z, col_ok):
+def tile_stats_2d(z, col_ok, *, with_exp: bool = False):
   """Per-row ``(m, s, u)`` of ``z [rows, VOCAB_TILE]`` with a 2-D column mask
   ``col_ok`` (the Mosaic epilogue's form: every operand in the wgmma register
-  layout, row vectors broadcast with ``broadcast_in_dim``). Masks ``z`` itself."""
+  layout, row vectors broadcast with ``broadcast_in_dim``). Masks ``z`` itself.
+  Returns ``(z, m, s, u)``, and ``e = exp(z - m)`` last with ``with_exp``."""
   z = jnp.where(col_ok, z, -jnp.inf)
   m = jnp.max(z, axis=1)
   zm = z - lax.broadcast_in_dim(finite_max(m), z.shape, [0])
   e = jnp.exp(zm)  # exp(-inf) = 0 on masked columns
   s = jnp.sum(e, axis=1)
   u = jnp.sum(jnp.where(col_ok & (z != -jnp.inf), e * zm, 0.0), axis=1)
-  return z, m, s, u
+  return (z, m, s, u, e) if with_exp else (z, m, s, u)
 
 
 def target_logit(z, hit):

@@ -179,3 +179,44 @@ def test_sampler_path_is_the_fused_op_bitwise(layout, bias):
   # Control: stock log_softmax of the same logits reduces in another order.
   lp_x = jax.nn.log_softmax(z, axis=-1)[jnp.arange(300), t]
   assert not np.array_equal(bits(lp_x), bits(lp_f))
+
+
+@pytest.mark.parametrize("t", [1, 64, 200, 256])
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_draw_in_the_head_kernel(t, layout):
+  """The draw in the LM head's epilogue (``logits_draw``, no logits in memory): its
+  statistics are bitwise those of the logits kernel; each token's logit is that token's
+  stored logit exactly; the drawn tokens' log-probs from them are ``linear_logp``'s bitwise;
+  the tokens are the stored-logits race's (``draw.draw_from_logits``) on every row whose
+  two best race keys (float64, from the same noise words) are further apart than 1e-4,
+  and on the others the kernel's token is one of those near-best."""
+  from jaxrl_kernels.linear_logp.logits import LogitPartials, merge_logit_partials  # noqa: PLC0415
+  from jaxrl_kernels.pallas import draw  # noqa: PLC0415
+  from jaxrl_kernels.pallas import softmax_partials as sp  # noqa: PLC0415
+
+  x, _ = _wide(t)
+  w = _weight(layout)
+  seed = draw.seed_words(jax.random.key(5))
+  kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16)
+  tokens, tz, stats = lm.logits_draw(x, w, None, seed, **kw)
+  z, ref_stats = lm.logits(x, w, None, **kw, return_stats=True)
+  for got, want, name in zip(stats, ref_stats, "msu", strict=True):
+    assert_bitwise_equal(got, want, f"statistic {name}")
+  tokens, zn = np.asarray(tokens), np.asarray(z)
+  rows = np.arange(t)
+  assert_bitwise_equal(tz, zn[rows, tokens], "token logits")
+  k1, k2 = draw.row_keys(seed, jnp.arange(t))
+  words = np.asarray(draw.noise_bits(k1[:, None], k2[:, None], jnp.arange(V)[None, :]))
+  u = ((words.view(np.uint32) >> 8).astype(np.float64) + 0.5) / 2**24
+  keys = zn.astype(np.float64) - np.log(-np.log(u))
+  top2 = np.sort(keys, axis=1)[:, -2:]
+  clear = top2[:, 1] - top2[:, 0] > 1e-4
+  want_tokens = np.asarray(draw.draw_from_logits(z, seed, tile=lm.VOCAB_TILE)[0])
+  assert np.array_equal(tokens[clear], want_tokens[clear])
+  assert np.array_equal(tokens[clear], np.argmax(keys, axis=1)[clear])
+  assert np.all(keys[rows, tokens] >= top2[:, 0] - 1e-4)
+  merged = merge_logit_partials(LogitPartials(*stats), implementation=IMPL)
+  logp, _ = sp.finalize(tz, merged.lse, merged.entropy, jnp.asarray(tokens), None, V)
+  want = linear_logp(x, w, jnp.asarray(tokens), temperature=0.7, weight_layout=layout,
+                     implementation=IMPL)
+  assert_bitwise_equal(logp, want, "logp of the drawn tokens")

@@ -128,6 +128,24 @@ def test_steps_per_chunk_changes_no_bit(lm):
   assert_bitwise_equal(got, np.asarray(ref.logp), "score vs sampler")
 
 
+def test_the_draw_in_the_head_and_from_the_logits(lm):
+  """``fused_draw`` (the race in the head's pass, the default) and ``fused_draw=False``
+  (``jax.random.categorical`` on the stored logits): each reports the trainer's log-probs
+  bitwise, each is deterministic given the key, and they draw other tokens for one key.
+  With top-k the draw is from the logits either way (the same tokens)."""
+  kw = dict(max_new_tokens=9, key=jax.random.key(3), temperature=0.8)
+  fused = sample(lm, PROMPTS, LENS, **kw)
+  again = sample(lm, PROMPTS, LENS, **kw)
+  plain = sample(lm, PROMPTS, LENS, fused_draw=False, **kw)
+  assert_bitwise_equal(np.asarray(again.tokens), np.asarray(fused.tokens), "same key")
+  assert not np.array_equal(np.asarray(plain.tokens), np.asarray(fused.tokens))
+  for res in (fused, plain):
+    got = score(lm, res.tokens, res.completion_mask, temperature=0.8)
+    assert_bitwise_equal(got, np.asarray(res.logp), "score vs sampler")
+  top = [sample(lm, PROMPTS, LENS, top_k=5, fused_draw=f, **kw).tokens for f in (True, False)]
+  assert_bitwise_equal(np.asarray(top[0]), np.asarray(top[1]), "top-k draws from the logits")
+
+
 def test_every_row_stopping_ends_the_loop_at_a_chunk(lm):
   a = sample(lm, PROMPTS, LENS, max_new_tokens=9, key=jax.random.key(0), top_k=1)
   first = sorted({int(np.asarray(a.tokens)[r, n]) for r, n in enumerate(LENS)})
@@ -150,6 +168,7 @@ def test_every_row_stopping_ends_the_loop_at_a_chunk(lm):
     (dict(stop_ids=(1.0,)), "stop_ids"),
     (dict(eos_id=-1), "eos_id must hold ints"),
     (dict(temperature=True), "temperature"),
+    (dict(fused_draw=1), "fused_draw must be a bool"),
 ])
 def test_bad_options(lm, kw, match):
   with pytest.raises(ValueError, match=match):

@@ -1,0 +1,161 @@
+"""The sampler's draw (``pallas.draw``): its noise words, that the race draws from the
+softmax, that the head's draw reports the trainer's log-prob, and that Hopper's draw runs in
+the LM head's kernel with no logits in memory (lowered for CUDA here; its bits against the
+stored-logits draw are tests/linear_logp/test_linear_logp_mosaic_gpu.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bitwise_equal
+
+from jaxrl_kernels.linear_logp import linear_logp
+from jaxrl_kernels.linear_logp.logits import head_draw_partials, head_logits, merge_logit_partials
+from jaxrl_kernels.pallas import draw
+from jaxrl_kernels.pallas import softmax_partials as sp
+
+SEED = draw.seed_words(jax.random.key(0))
+
+
+def _uniforms(seed, rows, cols):
+  k1, k2 = draw.row_keys(seed, jnp.arange(rows))
+  words = draw.noise_bits(k1[:, None], k2[:, None], jnp.arange(cols)[None, :])
+  return np.asarray(words).view(np.uint32)
+
+
+def test_noise_words_are_uniform_distinct_and_uncorrelated():
+  """Top-24-bit uniforms over 2048 rows x 1024 columns: mean, variance and the
+  Kolmogorov-Smirnov distance within 5 sigma of U(0, 1); neighbouring columns, rows and
+  steps (seeds of fold_in(key, 0) and (key, 1)) uncorrelated within 5 sigma; every word in
+  a row distinct. Control: the column index itself as the word fails the correlation bound."""
+  words = _uniforms(SEED, 2048, 1024)
+  u = ((words >> 8).astype(np.float64) + 0.5) / 2**24
+  n = u.size
+  assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
+  assert abs(u.var() - 1 / 12) < 5 * np.sqrt(1 / 180 / n)
+  srt = np.sort(u.ravel())
+  ks = np.max(np.abs(srt - (np.arange(1, n + 1) - 0.5) / n))
+  assert ks * np.sqrt(n) < 2.0  # p ~ 7e-4 for a true uniform
+  bound = 5 / np.sqrt(n)
+
+  def corr(a, b):
+    return abs(np.corrcoef(a.ravel(), b.ravel())[0, 1])
+
+  assert corr(u[:, :-1], u[:, 1:]) < bound
+  assert corr(u[:-1], u[1:]) < bound
+  other = _uniforms(draw.seed_words(jax.random.fold_in(jax.random.key(0), 1)), 2048, 1024)
+  step0 = _uniforms(draw.seed_words(jax.random.fold_in(jax.random.key(0), 0)), 2048, 1024)
+  assert corr(((other >> 8) + 0.5) / 2**24, ((step0 >> 8) + 0.5) / 2**24) < bound
+  assert all(len(np.unique(r)) == r.size for r in words[:64])
+  cols = np.broadcast_to(np.arange(1024.0), u.shape)
+  assert corr(cols[:, :-1], cols[:, 1:]) > bound  # the control: a bad word is caught
+
+
+def _softmax64(z):
+  z = np.asarray(z, np.float64)
+  e = np.exp(z - z.max())
+  return e / e.sum()
+
+
+def _chi2(counts, p):
+  expected = counts.sum() * p
+  return float(np.sum((counts - expected) ** 2 / expected))
+
+
+# 99.99% quantiles of chi-square: 11 and 15 degrees of freedom.
+CHI2_11, CHI2_15 = 35.7, 42.3
+
+
+def test_the_race_draws_from_the_softmax():
+  """120000 rows of the same 13 logits (one masked, -inf) over tiles of 4 columns (the
+  merge across tiles included): the token counts fit softmax(z) (chi-square below its
+  99.99% quantile), the masked column is never drawn and each token's logit is its z
+  exactly. Control: the same counts against softmax(1.05 z) fail the bound."""
+  z = jnp.array([2.0, -1.0, 0.5, 3.0, -jnp.inf, 1.0, 0.0, -2.5, 2.9, 1.5, -0.5, 0.25, 2.0],
+                jnp.float32)
+  t = 120_000
+  tokens, logit = draw.draw_from_logits(jnp.broadcast_to(z, (t, z.size)), SEED, tile=4)
+  tokens = np.asarray(tokens)
+  counts = np.bincount(tokens, minlength=z.size).astype(np.float64)
+  assert counts[4] == 0
+  keep = np.arange(z.size) != 4
+  p = _softmax64(z)[keep]
+  assert _chi2(counts[keep], p) < CHI2_11
+  assert_bitwise_equal(np.asarray(logit), np.asarray(z)[tokens], "token logits")
+  p_hot = _softmax64(1.05 * np.asarray(z, np.float64))[keep]
+  assert _chi2(counts[keep], p_hot) > CHI2_11
+
+
+def test_neighbouring_rows_and_steps_draw_independently():
+  """Pairs of draws over 4 logits, 200000 rows: (row r, row r + 1) of one step and (step 0,
+  step 1) of one row fit the product of the softmax marginals (chi-square, 15 degrees of
+  freedom, below its 99.99% quantile)."""
+  z = jnp.array([0.3, -0.2, 0.9, 0.0], jnp.float32)
+  p = _softmax64(z)
+  t = 200_000
+  zz = jnp.broadcast_to(z, (t, 4))
+  a = np.asarray(draw.draw_from_logits(zz, SEED, tile=4)[0])
+  pairs = np.bincount(4 * a[0::2] + a[1::2], minlength=16).astype(np.float64)
+  assert _chi2(pairs, np.outer(p, p).ravel()) < CHI2_15
+  b = np.asarray(draw.draw_from_logits(
+      zz, draw.seed_words(jax.random.fold_in(jax.random.key(0), 1)), tile=4)[0])
+  steps = np.bincount(4 * a + b, minlength=16).astype(np.float64)
+  assert _chi2(steps, np.outer(p, p).ravel()) < CHI2_15
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "cpu"])
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_head_draw_reports_the_trainers_logp(implementation, layout):
+  """``head_draw_partials``: the drawn tokens are the stored-logits race of the same head's
+  logits; merged statistics + the token's logit give ``linear_logp`` of the drawn tokens
+  bitwise (temperature 0.7, a bias, V not a multiple of the tile); the first rows' draws
+  are the same in a smaller batch (the noise is keyed by the row index, the logits are
+  batch-invariant)."""
+  t, h, v = 40, 64, 300
+  x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (h, v), jnp.float32) * 0.3
+  w = w if layout == "hv" else w.T
+  b = jax.random.normal(jax.random.key(3), (v,), jnp.float32)
+  kw = dict(bias=b, temperature=0.7, weight_layout=layout, implementation=implementation)
+  tokens, tz, parts = head_draw_partials(x, w, SEED, **kw)
+  z = head_logits(x, w, **kw)
+  want_tokens, want_tz = draw.draw_from_logits(z, SEED, tile=128)
+  assert_bitwise_equal(tokens, want_tokens, "tokens")
+  assert_bitwise_equal(tz, want_tz, "token logits")
+  stats = merge_logit_partials(parts, implementation=implementation)
+  logp, _ = sp.finalize(tz, stats.lse, stats.entropy, tokens, None, v)
+  assert_bitwise_equal(logp, linear_logp(x, w, tokens, **kw), "logp")
+  head5 = head_draw_partials(x[:5], w, SEED, **kw)
+  assert_bitwise_equal(head5[0], tokens[:5], "tokens of a smaller batch")
+  assert len(np.unique(np.asarray(tokens))) > 5  # not one token for every row
+
+
+def test_head_draw_refuses_what_it_cannot_draw():
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 5))
+  with pytest.raises(ValueError, match="seed must be int32"):
+    head_draw_partials(x, w, jnp.zeros((2,), jnp.uint32), implementation="interpret")
+  with pytest.raises(ValueError, match="seed must be int32"):
+    head_draw_partials(x, w, jnp.zeros((3,), jnp.int32), implementation="interpret")
+  with pytest.raises(ValueError, match="implementation='xla' has no per-tile"):
+    head_draw_partials(x, w, SEED, implementation="xla")
+
+
+@pytest.mark.parametrize("t", [1, 64, 256])
+def test_hopper_draw_keeps_no_logits_in_memory(t):
+  """Lowered for CUDA (Mosaic), the draw at a Qwen2.5 head's shape is one ``lm_head_draw``
+  kernel and no float32 ``[T, V]`` array exists in the module. Control: the logits path's
+  module has one."""
+  from jaxrl_kernels.pallas import linear_logp_mosaic as lm  # noqa: PLC0415
+
+  s = jax.ShapeDtypeStruct
+  v, h = 151936, 896
+  args = (s((t, h), jnp.bfloat16), s((v, h), jnp.bfloat16), s((2,), jnp.int32))
+  kw = dict(layout="vh", temperature=1.0, compute_dtype=jnp.bfloat16)
+  fn = jax.jit(lambda x, w, seed: lm.logits_draw(x, w, None, seed, **kw))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  module = exported.mlir_module()
+  assert module.count("lm_head_draw") >= 1
+  assert f"x{v}xf32" not in module
+  assert [a.shape for a in exported.out_avals[:2]] == [(t,), (t,)]
+  ctrl = jax.jit(lambda x, w: lm.logits(x, w, None, **kw, return_stats=True))
+  assert f"x{v}xf32" in jax.export.export(ctrl, platforms=["cuda"])(*args[:2]).mlir_module()
