@@ -47,6 +47,7 @@ from jaxrl_kernels import models  # noqa: E402
 from jaxrl_kernels.models.decoder import DecoderLM  # noqa: E402
 from jaxrl_kernels.nn import logp_from_stats  # noqa: E402
 from jaxrl_kernels.nn.sampler import cache_length, draw, sample, score  # noqa: E402
+from jaxrl_kernels.pallas import draw as race  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import breakdown_lines, kernel_breakdown, per_step  # noqa: E402
@@ -117,7 +118,7 @@ def _timed(fn, repeats: int, what: str) -> float:
   return (time.perf_counter() - t0) / repeats
 
 
-def decode_loop(model: DecoderLM, prompts, lens, new_tokens: int):
+def decode_loop(model: DecoderLM, prompts, lens, new_tokens: int, fused_draw: bool = True):
   """``f(n)``: one jitted executable running the prefill, then a ``fori_loop`` of ``n``
   decode steps (``n`` traced: one compilation for every ``n``), the loop body as the
   sampler's (sampler head, draw and ``decode_step``, the cache carried in the loop and updated
@@ -139,7 +140,14 @@ def decode_loop(model: DecoderLM, prompts, lens, new_tokens: int):
 
     def body(i, carry):
       h, cache, total = carry
-      parts = m.head.logits_partials(h, temperature=1.0)
+      kernel_head = m.head.implementation != "xla"
+      if kernel_head and fused_draw:  # the draw in the head's pass (the sampler's default)
+        tok, tz, stats = m.head.draw_partials(
+            h, race.seed_words(jax.random.fold_in(jax.random.key(0), i)), temperature=1.0)
+        total = total + tz + stats.s[0]
+        h, cache = m.decode_step(tok, cache, weights=weights)
+        return h, cache, total
+      parts = m.head.logits_partials(h, temperature=1.0) if kernel_head else None
       if parts is None:  # the stock path: logits + log-softmax every step
         logits, stats = m.head.logits(h, temperature=1.0, return_stats=True)
         total = total + logp_from_stats(logits, stats, draw_at(i, logits))
@@ -155,29 +163,31 @@ def decode_loop(model: DecoderLM, prompts, lens, new_tokens: int):
   return lambda n: rollout(state, prompts, lens, jnp.int32(n))
 
 
-def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 8):
+def step_kernels(model: DecoderLM, prompts, lens, new_tokens: int, steps: int = 8,
+                 fused_draw: bool = True):
   """The kernels of one decode step of :func:`decode_loop` (its CUPTI breakdown at
   ``1 + steps`` steps minus the one at 1 step, per kernel name, per step), or None without
   CUPTI."""
-  f = decode_loop(model, prompts, lens, new_tokens)
+  f = decode_loop(model, prompts, lens, new_tokens, fused_draw)
   return per_step(kernel_breakdown(f, 1), kernel_breakdown(f, 1 + steps), steps)
 
 
 def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check: bool,
-        score_batch: int, profile: bool = False) -> dict:
+        score_batch: int, profile: bool = False, fused_draw: bool = True) -> dict:
   key = jax.random.key(0)
-  t_g = _timed(lambda: sample(model, prompts, lens, max_new_tokens=new_tokens, key=key),
+  kw = dict(key=key, fused_draw=fused_draw)
+  t_g = _timed(lambda: sample(model, prompts, lens, max_new_tokens=new_tokens, **kw),
                repeats, f"rollout of {new_tokens} tokens")
-  t_1 = _timed(lambda: sample(model, prompts, lens, max_new_tokens=1, key=key), repeats,
+  t_1 = _timed(lambda: sample(model, prompts, lens, max_new_tokens=1, **kw), repeats,
                "prefill + 1 token")
   row = {"s_per_rollout": t_g, "tok_s": prompts.shape[0] * new_tokens / t_g,
          "step_ms": 1e3 * (t_g - t_1) / max(new_tokens - 1, 1), "prefill_ms": 1e3 * t_1}
   if profile:
     progress("kernel breakdown of one decode step (CUPTI)")
-    row["kernels"] = step_kernels(model, prompts, lens, new_tokens)
+    row["kernels"] = step_kernels(model, prompts, lens, new_tokens, fused_draw=fused_draw)
   if check:
     progress("sampler == trainer check")
-    res = sample(model, prompts, lens, max_new_tokens=new_tokens, key=key)
+    res = sample(model, prompts, lens, max_new_tokens=new_tokens, **kw)
     got = score(model, res.tokens, res.completion_mask, batch_size=score_batch, pack=True)
     lp = np.asarray(res.logp)
     m = np.asarray(res.completion_mask)
@@ -201,6 +211,9 @@ def main(argv=None) -> int:
                   help="append each path's per-kernel breakdown of one decode step (CUPTI)")
   ap.add_argument("--top", type=int, default=15, help="longest kernels listed per path")
   ap.add_argument("--only", choices=("kernels", "stock"), default=None)
+  ap.add_argument("--draw", choices=("head", "logits", "both"), default="head",
+                  help="our path's draw: in the head's pass (nn.sample's default), from "
+                       "stored logits (fused_draw=False), or both in one process")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   model = preset_model(args)
@@ -208,16 +221,20 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
   lens = np.full((args.prompts,), args.prompt_len, np.int32)
-  paths = {"jaxrl_kernels": None, "stock (xla)": "xla"}
+  # name: (implementation, fused draw)
+  paths = {"jaxrl_kernels": (None, args.draw != "logits"), "stock (xla)": ("xla", False)}
+  if args.draw == "both":
+    paths = {"jaxrl_kernels": (None, True), "jaxrl_kernels (logits draw)": (None, False),
+             "stock (xla)": ("xla", False)}
   if args.only:
-    paths = {k: v for k, v in paths.items() if (v is None) == (args.only == "kernels")}
+    paths = {k: v for k, v in paths.items() if (v[0] is None) == (args.only == "kernels")}
   rows = {}
-  for name, impl in paths.items():
+  for name, (impl, fused) in paths.items():
     progress(name)
     m = with_implementation(model, impl)
     rows[name] = run(m, prompts, lens, new_tokens=args.new_tokens, repeats=args.repeats,
                      check=not args.no_check, score_batch=args.score_batch,
-                     profile=args.profile)
+                     profile=args.profile, fused_draw=fused)
     print(name, {k: v for k, v in rows[name].items() if k != "kernels"}, flush=True)
   device = jax.devices()[0].device_kind
   lines = [
@@ -225,7 +242,7 @@ def main(argv=None) -> int:
       f"row-parallel chunks (o_proj, down_proj) {model.row_parallel_chunks}", "",
       f"device {device}; jax {jax.__version__}; {datetime.date.today().isoformat()}; "
       f"{args.prompts} prompts x {args.prompt_len} tokens + {args.new_tokens} new tokens, "
-      f"temperature 1; pipelined over {args.repeats} calls.", "",
+      f"temperature 1; pipelined over {args.repeats} calls; our draw: {args.draw}.", "",
       "| path | tokens/s | per-step decode (ms) | prefill + 1 (ms) | sampler logp != trainer "
       "| max drift |",
       "|---|---|---|---|---|---|",
@@ -235,10 +252,14 @@ def main(argv=None) -> int:
     drift = f"{r['max_drift']:.2e}" if "max_drift" in r else "-"
     lines.append(f"| {name} | {r['tok_s']:.0f} | {r['step_ms']:.3f} | {r['prefill_ms']:.1f} | "
                  f"{mism} | {drift} |")
-  if len(rows) == 2:
+  if "jaxrl_kernels" in rows and "stock (xla)" in rows:
     k, s = rows["jaxrl_kernels"], rows["stock (xla)"]
     lines += ["", f"jaxrl_kernels / stock tokens/s: {k['tok_s'] / s['tok_s']:.3f}x; per-step "
               f"latency ratio {k['step_ms'] / s['step_ms']:.3f}."]
+    if "jaxrl_kernels (logits draw)" in rows:
+      g = rows["jaxrl_kernels (logits draw)"]
+      lines += [f"jaxrl_kernels (logits draw) / stock tokens/s: {g['tok_s'] / s['tok_s']:.3f}x; "
+                f"per-step latency ratio {g['step_ms'] / s['step_ms']:.3f}."]
   if args.profile:
     for name, r in rows.items():
       lines += breakdown_lines(f"{name}: one decode step", r.get("kernels"), args.top)

@@ -92,7 +92,9 @@ def merge_draws(key, col, logit):
   :func:`tile_draw`: the tile of the largest key (ties to the lower tile)."""
   win = jnp.argmax(key, axis=0)
   pick = lambda x: jnp.take_along_axis(x, win[None], axis=0)[0]  # noqa: E731
-  return pick(col).astype(jnp.int32), pick(logit)
+  col = pick(col)
+  # A row of NaN logits has no winner: token 0, and its statistics (so its log-prob) NaN.
+  return jnp.where(jnp.isfinite(col), col, 0.0).astype(jnp.int32), pick(logit)
 
 
 def draw_from_logits(z: jax.Array, seed: jax.Array, *, tile: int) -> tuple[jax.Array, jax.Array]:

@@ -159,3 +159,42 @@ def test_hopper_draw_keeps_no_logits_in_memory(t):
   assert [a.shape for a in exported.out_avals[:2]] == [(t,), (t,)]
   ctrl = jax.jit(lambda x, w: lm.logits(x, w, None, **kw, return_stats=True))
   assert f"x{v}xf32" in jax.export.export(ctrl, platforms=["cuda"])(*args[:2]).mlir_module()
+
+
+def test_packed_draw_statistics_unpack_to_their_rows():
+  """The Mosaic epilogue's packing of seven row statistics per 64-row chunk (``_pack``, in
+  the kernel's 2-D store) and its reader ``_unpack``: each statistic of each row and tile
+  comes back in place, for 128- and 64-row CTA tiles, rows cut short and tiles past the
+  vocabulary dropped (plain arrays on the CPU; the kernel's own run is the GPU test)."""
+  from jaxrl_kernels.pallas import linear_logp_mosaic as lm  # noqa: PLC0415
+
+  for tm, t in ((128, 200), (64, 50)):
+    blocks, n_pad, n_tiles = -(-t // tm), 6, 5
+    pack_ids = jax.lax.broadcasted_iota(jnp.int32, (lm.EPI_ROWS, lm.DRAW_PACK), 1)
+    want = np.arange(7 * n_pad * blocks * tm, dtype=np.float32).reshape(7, n_pad, blocks * tm)
+    packed = np.zeros((n_pad, blocks * lm.EPI_ROWS, lm.DRAW_PACK), np.float32)
+    for tile in range(n_pad):
+      for blk in range(blocks):
+        out = jnp.zeros((lm.EPI_ROWS, lm.DRAW_PACK), jnp.float32)
+        for c in range(tm // lm.EPI_ROWS):
+          rows = slice(blk * tm + c * lm.EPI_ROWS, blk * tm + (c + 1) * lm.EPI_ROWS)
+          out = lm._pack(out, pack_ids, [jnp.asarray(want[q, tile, rows]) for q in range(7)], c)
+        packed[tile, blk * lm.EPI_ROWS:(blk + 1) * lm.EPI_ROWS] = np.asarray(out)
+    got = lm._unpack(jnp.asarray(packed), n_tiles, t, tm, count=7)
+    for q in range(7):
+      assert_bitwise_equal(got[q], want[q, :n_tiles, :t], f"statistic {q}, tm={tm}")
+
+
+def test_nan_logits_draw_token_zero_with_a_nan_logp():
+  """A row of NaN logits has no race winner: token 0 (a valid id), and its log-prob from
+  the statistics is NaN, never a silent number."""
+  z = jnp.array([[0.0, 1.0, 2.0, 3.0], [jnp.nan] * 4], jnp.float32)
+  tokens, _ = draw.draw_from_logits(z, SEED, tile=2)
+  assert np.asarray(tokens)[1] == 0
+  x = jnp.array([[1.0, 0.0], [jnp.nan, 0.0]], jnp.float32)
+  w = jnp.ones((2, 5), jnp.float32)
+  tok, tz, parts = head_draw_partials(x, w, SEED, implementation="interpret")
+  stats = merge_logit_partials(parts, implementation="interpret")
+  logp, _ = sp.finalize(tz, stats.lse, stats.entropy, tok, None, 5)
+  assert np.isfinite(np.asarray(logp)[0]) and np.isnan(np.asarray(logp)[1])
+  assert int(np.asarray(tok)[1]) == 0

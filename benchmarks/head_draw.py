@@ -1,0 +1,139 @@
+"""A sampler step's LM-head work with the draw: the draw in the head's kernel against a draw
+from stored logits and against the stock path, at rollout row counts.
+
+Per call, for ``T`` hidden rows: a token per row drawn from ``softmax(h W)``, its logit and
+what the log-prob needs.
+
+* ``head draw``: ``head_draw_partials`` (on Hopper the race of ``pallas/draw.py`` in the LM
+  head's Mosaic epilogue: no logits in memory), the per-step part of ``nn.sample``;
+* ``logits + categorical``: ``head_logits_partials`` (float32 logits with in-kernel
+  statistics), ``jax.random.categorical`` on them and the token's logit: ``nn.sample``
+  with ``fused_draw=False``;
+* ``stock``: ``jnp.dot(h, W)`` in float32, ``jax.random.categorical``, ``log_softmax`` at
+  the token.
+
+Checked per shape: the head draw's log-probs (merged statistics and the token's logit) are
+bitwise ``linear_logp`` of its tokens. Timing is pipelined (``--calls`` calls enqueued back
+to back over rotating copies of ``h``, one block at the end). The floor column is the
+weight read at ``--hbm`` TB/s.
+
+    python benchmarks/head_draw.py --out benchmarks/results/head_draw_h100.md
+    python benchmarks/head_draw.py --rows 4 --hidden 64 --vocab 1000 --calls 3   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels.linear_logp import linear_logp
+from jaxrl_kernels.linear_logp.logits import (
+  LogitPartials,
+  head_draw_partials,
+  head_logits_partials,
+  merge_logit_partials,
+)
+from jaxrl_kernels.pallas import draw
+from jaxrl_kernels.pallas import softmax_partials as sp
+
+
+def _head_draw(implementation):
+  def step(h, w, key):
+    return head_draw_partials(h, w, draw.seed_words(key), implementation=implementation)
+  return jax.jit(step)
+
+
+def _logits_draw(implementation):
+  def step(h, w, key):
+    logits, parts = head_logits_partials(h, w, implementation=implementation)
+    tok = jax.random.categorical(key, logits).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0], parts
+  return jax.jit(step)
+
+
+def _stock(h, w, key):
+  logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+  tok = jax.random.categorical(key, logits)
+  lp = jax.nn.log_softmax(logits, axis=-1)
+  return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+def pipelined_ms(f, hs, w, calls: int) -> float:
+  """Milliseconds per call of ``calls`` calls enqueued back to back, one block at the end."""
+  keys = [jax.random.key(i) for i in range(calls)]
+  jax.block_until_ready(f(hs[0], w, keys[0]))
+  t0 = time.perf_counter()
+  out = [f(hs[i % len(hs)], w, keys[i]) for i in range(calls)]
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation) -> dict:
+  k = jax.random.split(jax.random.key(t), 2)
+  w = (jax.random.normal(k[0], (hidden, vocab), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  hs = [jax.random.normal(jax.random.fold_in(k[1], i), (t, hidden), jnp.bfloat16)
+        for i in range(4)]
+  fused = _head_draw(implementation)
+  row = {"t": t, "h": hidden, "v": vocab,
+         "fused_ms": pipelined_ms(fused, hs, w, calls),
+         "logits_ms": pipelined_ms(_logits_draw(implementation), hs, w, calls),
+         "stock_ms": pipelined_ms(jax.jit(_stock), hs, w, calls)}
+  tok, tz, parts = fused(hs[0], w, jax.random.key(0))
+  stats = merge_logit_partials(LogitPartials(*parts), implementation=implementation)
+  lp, _ = sp.finalize(tz, stats.lse, stats.entropy, tok, None, vocab)
+  want = linear_logp(hs[0], w, tok, implementation=implementation)
+  row["bitwise"] = bool(np.array_equal(np.asarray(lp).view(np.uint32),
+                                       np.asarray(want).view(np.uint32)))
+  row["distinct"] = int(len(np.unique(np.asarray(tok))))
+  return row
+
+
+def table(rows: list[dict], hbm_tbs: float) -> list[str]:
+  lines = ["| T | H | V | head draw (ms) | logits + categorical (ms) | stock (ms) | "
+           "stock / head draw | logits / head draw | floor (ms) | logp == trainer |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    floor = r["h"] * r["v"] * 2 / (hbm_tbs * 1e12) * 1e3
+    lines.append(f"| {r['t']} | {r['h']} | {r['v']} | {r['fused_ms']:.3f} | "
+                 f"{r['logits_ms']:.3f} | {r['stock_ms']:.3f} | "
+                 f"{r['stock_ms'] / r['fused_ms']:.2f}x | {r['logits_ms'] / r['fused_ms']:.2f}x | "
+                 f"{floor:.3f} | {'yes' if r['bitwise'] else '**no**'} |")
+  return lines
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rows", default="64,256", help="comma-separated T")
+  ap.add_argument("--hidden", default="896,1536,2048", help="comma-separated H")
+  ap.add_argument("--vocab", type=int, default=151936)
+  ap.add_argument("--calls", type=int, default=50, help="calls enqueued per timing")
+  ap.add_argument("--implementation", default=None,
+                  help="linear_logp implementation of our paths (default: by device)")
+  ap.add_argument("--hbm", type=float, default=3.35, help="HBM TB/s of the floor column")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+  rows = []
+  for hidden in (int(x) for x in args.hidden.split(",")):
+    for t in (int(x) for x in args.rows.split(",")):
+      rows.append(measure(t, hidden, args.vocab, calls=args.calls,
+                          implementation=args.implementation))
+      print(rows[-1], flush=True)
+  dev = jax.devices()[0]
+  lines = [f"# LM-head draw per sampler step: {getattr(dev, 'device_kind', dev.platform)}", "",
+           f"jax {jax.__version__}; {datetime.date.today()}; bf16 hidden and weight; "
+           f"{args.calls} calls pipelined per timing; floor = the weight read at {args.hbm} "
+           "TB/s.", "", *table(rows, args.hbm)]
+  text = "\n".join(lines) + "\n"
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+
+
+if __name__ == "__main__":
+  main()
