@@ -31,6 +31,10 @@ Sampler side (``nn.lm_head``): :func:`logits` runs the same kernel with a
 store epilogue (the ``z`` above, before the mask) and :func:`partials_from_logits`
 loads logit tiles into the same register layout and runs the same
 :func:`tile_epilogue`, so ``logits -> logp`` is bitwise the fused result.
+:func:`logits_draw` stores no logits: the same epilogue also runs the race of
+:mod:`draw` on the exponentials it computes (three more row vectors per tile: the
+best race key, its column, its logit) and the tiles' races are merged after the
+kernel, so a sampler step draws its token with no ``[T, V]`` array in memory.
 
 Shapes Mosaic's TMA tiling cannot take (H not a multiple of 64, vocab extent
 not a multiple of 64 for ``"hv"`` / 8 for ``"vh"``, fewer than one CTA tile of
