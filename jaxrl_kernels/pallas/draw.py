@@ -90,7 +90,9 @@ def tile_draw(z, m, e, cols, k1, k2, *, log=jnp.log):
 def merge_draws(key, col, logit):
   """The drawn token and its logit from per-tile ``[n_tiles, ...]`` results of
   :func:`tile_draw`: the tile of the largest key (ties to the lower tile)."""
-  win = jnp.argmax(key, axis=0)
+  # A tile without a finite logit in a row (a whole tile masked by a -inf bias) has a NaN
+  # key there: it never wins.
+  win = jnp.argmax(jnp.where(jnp.isnan(key), -jnp.inf, key), axis=0)
   pick = lambda x: jnp.take_along_axis(x, win[None], axis=0)[0]  # noqa: E731
   col = pick(col)
   # A row of NaN logits has no winner: token 0, and its statistics (so its log-prob) NaN.

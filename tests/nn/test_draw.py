@@ -185,6 +185,16 @@ def test_packed_draw_statistics_unpack_to_their_rows():
       assert_bitwise_equal(got[q], want[q, :n_tiles, :t], f"statistic {q}, tm={tm}")
 
 
+def test_a_masked_tile_is_never_drawn():
+  """Logits masked to -inf over a whole tile (a -inf bias over 4 columns) and over single
+  columns of another: 20000 rows never draw a masked column."""
+  z = jnp.array([0.5, 1.0, -jnp.inf, 0.0] + [-jnp.inf] * 4 + [2.0, -1.0, 0.3, 0.1],
+                jnp.float32)
+  tokens = np.asarray(draw.draw_from_logits(jnp.broadcast_to(z, (20_000, 12)), SEED,
+                                            tile=4)[0])
+  assert set(np.unique(tokens)) == {0, 1, 3, 8, 9, 10, 11}
+
+
 def test_nan_logits_draw_token_zero_with_a_nan_logp():
   """A row of NaN logits has no race winner: token 0 (a valid id), and its log-prob from
   the statistics is NaN, never a silent number."""
