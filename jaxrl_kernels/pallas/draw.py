@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_kernels.pallas import softmax_partials as sp
+
 # lowbias32's multipliers (a 32-bit bijective mixer), as int32 (arithmetic wraps mod 2^32).
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B - (1 << 32)
@@ -90,8 +92,8 @@ def tile_draw(z, m, e, cols, k1, k2, *, log=jnp.log):
 def merge_draws(key, col, logit):
   """The drawn token and its logit from per-tile ``[n_tiles, ...]`` results of
   :func:`tile_draw`: the tile of the largest key (ties to the lower tile)."""
-  # A tile without a finite logit in a row (a whole tile masked by a -inf bias) has a NaN
-  # key there: it never wins.
+  # A tile whose row has no logit above -inf has key -inf there; a NaN key (NaN logits)
+  # never wins either.
   win = jnp.argmax(jnp.where(jnp.isnan(key), -jnp.inf, key), axis=0)
   pick = lambda x: jnp.take_along_axis(x, win[None], axis=0)[0]  # noqa: E731
   col = pick(col)
@@ -116,7 +118,7 @@ def draw_from_logits(z: jax.Array, seed: jax.Array, *, tile: int) -> tuple[jax.A
 
   def one(zt, cols):
     m = jnp.max(zt, axis=1)
-    e = jnp.exp(zt - m[:, None])
+    e = jnp.exp(zt - sp.finite_max(m)[:, None])  # 0 across a tile masked whole
     cb = jnp.broadcast_to(cols[None, :], zt.shape)
     return tile_draw(zt, m, e, cb, k1[:, None], k2[:, None])
 

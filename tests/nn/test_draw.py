@@ -208,3 +208,24 @@ def test_nan_logits_draw_token_zero_with_a_nan_logp():
   logp, _ = sp.finalize(tz, stats.lse, stats.entropy, tok, None, 5)
   assert np.isfinite(np.asarray(logp)[0]) and np.isnan(np.asarray(logp)[1])
   assert int(np.asarray(tok)[1]) == 0
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "cpu"])
+def test_head_draw_with_a_bias_masking_a_whole_tile(implementation):
+  """A ``-inf`` bias over vocabulary tile 1 (ids 128-255) and a few single ids: no row draws
+  a masked id, and the drawn tokens' log-probs (finite) are the trainer's bitwise."""
+  t, h, v = 64, 32, 300
+  x = jax.random.normal(jax.random.key(4), (t, h), jnp.float32)
+  w = jax.random.normal(jax.random.key(5), (h, v), jnp.float32) * 0.2
+  masked = np.zeros(v, bool)
+  masked[128:256] = True
+  masked[[0, 5, 299]] = True
+  b = jnp.where(jnp.asarray(masked), -jnp.inf, 0.0)
+  kw = dict(bias=b, implementation=implementation)
+  tokens, tz, parts = head_draw_partials(x, w, SEED, **kw)
+  tokens = np.asarray(tokens)
+  assert not masked[tokens].any()
+  stats = merge_logit_partials(parts, implementation=implementation)
+  logp, _ = sp.finalize(tz, stats.lse, stats.entropy, jnp.asarray(tokens), None, v)
+  assert np.all(np.isfinite(np.asarray(logp)))
+  assert_bitwise_equal(logp, linear_logp(x, w, jnp.asarray(tokens), **kw), "logp")
