@@ -275,9 +275,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
   statistics merged once per chunk of ``steps_per_chunk`` steps; or
   ``model.head.logits(h, T, return_stats=True)`` for heads without partials), its log-prob
   (bitwise ``model.head(h, token, temperature=T)`` on the kernel paths: the trainer's
-  ``model.logp``), then
-  ``model.decode_step``. Rows that sampled a stop id stop; the loop ends early (at a chunk
-  boundary) when every row has.
+  ``model.logp``), then ``model.decode_step``. Rows that sampled a stop id stop; the loop
+  ends early (at a chunk boundary) when every row has.
 
   Args:
     model: a :class:`CausalLM` (``TinyCausalLM``, ``models.DecoderLM``).
