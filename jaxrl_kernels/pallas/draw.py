@@ -15,7 +15,8 @@ The race's noise is a counter-based hash of ``(seed, row, column)`` (:func:`nois
 rounds of a 32-bit bijective mixer (``lowbias32``) keyed by two per-row words
 (:func:`row_keys`, made once per call from two seed words and the row index). Within a
 row the 32-bit values are all distinct (each round is a bijection of the column); ``u``
-takes the top 24 bits, ``u = (b + 1/2) 2^-24`` in ``(0, 1)``, and ``E = -log u``. A
+takes the top 23 bits, ``u = (b + 1/2) 2^-23`` (exact in float32, in ``(0, 1)``), and
+``E = -log u``. A
 column whose ``exp(z_v - m)`` underflows to 0 (a probability below ``e^-87`` of the
 tile's largest) cannot be drawn.
 """
@@ -65,10 +66,11 @@ def noise_bits(k1, k2, cols):
 
 
 def exp_noise(bits, log=jnp.log):
-  """``E = -log u``, ``u = (top 24 bits + 1/2) 2^-24``: an Exp(1) variate per word, in
-  ``[2.98e-8, 17.3]``."""
-  u = (lax.shift_right_logical(bits, jnp.int32(8)).astype(jnp.float32) + 0.5) * (
-      jnp.float32(2.0 ** -24))
+  """``E = -log u``, ``u = (top 23 bits + 1/2) 2^-23``: an Exp(1) variate per word, in
+  ``[5.96e-8, 16.6]``. ``u`` is exact in float32 (24 significant bits) and lies in
+  ``[2^-24, 1 - 2^-24]``: never 0 or 1, so ``E`` is never 0 or infinite."""
+  u = (lax.shift_right_logical(bits, jnp.int32(9)).astype(jnp.float32) + 0.5) * (
+      jnp.float32(2.0 ** -23))
   return -log(u)
 
 

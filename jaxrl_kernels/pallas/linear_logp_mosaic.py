@@ -229,8 +229,8 @@ def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
   extra = 2 * _NUM_WGS * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
     extra += _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
-  if stats:
-    extra += _NUM_WGS * 5 * cfg.tile_m * 4
+  if stats:  # the rows' target ids and the packed statistics' staging tile
+    extra += _NUM_WGS * (cfg.tile_m + EPI_ROWS * PACK) * 4
   if draws:  # the rows' two key words, and the packed draw's wider statistics
     extra += _NUM_WGS * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
   steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra)

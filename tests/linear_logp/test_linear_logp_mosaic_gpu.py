@@ -182,32 +182,40 @@ def test_sampler_path_is_the_fused_op_bitwise(layout, bias):
 
 
 @pytest.mark.parametrize("t", [1, 64, 200, 256])
-@pytest.mark.parametrize("layout", ["hv", "vh"])
-def test_draw_in_the_head_kernel(t, layout):
+@pytest.mark.parametrize("layout,v,masked", [("hv", V, False), ("vh", V, False),
+                                             ("hv", 3100, True), ("vh", 3100, True)])
+def test_draw_in_the_head_kernel(t, layout, v, masked):
   """The draw in the LM head's epilogue (``logits_draw``, no logits in memory): its
   statistics are bitwise those of the logits kernel; each token's logit is that token's
   stored logit exactly; the drawn tokens' log-probs from them are ``linear_logp``'s bitwise;
   the tokens are the stored-logits race's (``draw.draw_from_logits``) on every row whose
   two best race keys (float64, from the same noise words) are further apart than 1e-4,
-  and on the others the kernel's token is one of those near-best."""
+  and on the others the kernel's token is one of those near-best. With a ``-inf`` bias
+  over vocabulary tile 1 and single ids (V = 3100: 25 tiles, the last CTA's second tile
+  past the vocabulary), no masked id is drawn."""
   from jaxrl_kernels.linear_logp.logits import LogitPartials, merge_logit_partials  # noqa: PLC0415
   from jaxrl_kernels.pallas import draw  # noqa: PLC0415
   from jaxrl_kernels.pallas import softmax_partials as sp  # noqa: PLC0415
 
-  x, _ = _wide(t)
-  w = _weight(layout)
+  x, _ = _wide(t, v=v)
+  w = _weight(layout, v=v)
+  ids = np.zeros(v, bool)
+  if masked:
+    ids[128:256] = True
+    ids[[0, 700, v - 1]] = True
+  b = jnp.where(jnp.asarray(ids), -jnp.inf, 0.0) if masked else None
   seed = draw.seed_words(jax.random.key(5))
   kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16)
-  tokens, tz, stats = lm.logits_draw(x, w, None, seed, **kw)
-  z, ref_stats = lm.logits(x, w, None, **kw, return_stats=True)
+  tokens, tz, stats = lm.logits_draw(x, w, b, seed, **kw)
+  z, ref_stats = lm.logits(x, w, b, **kw, return_stats=True)
   for got, want, name in zip(stats, ref_stats, "msu", strict=True):
     assert_bitwise_equal(got, want, f"statistic {name}")
   tokens, zn = np.asarray(tokens), np.asarray(z)
   rows = np.arange(t)
   assert_bitwise_equal(tz, zn[rows, tokens], "token logits")
   k1, k2 = draw.row_keys(seed, jnp.arange(t))
-  words = np.asarray(draw.noise_bits(k1[:, None], k2[:, None], jnp.arange(V)[None, :]))
-  u = ((words.view(np.uint32) >> 8).astype(np.float64) + 0.5) / 2**24
+  words = np.asarray(draw.noise_bits(k1[:, None], k2[:, None], jnp.arange(v)[None, :]))
+  u = ((words.view(np.uint32) >> 9).astype(np.float64) + 0.5) / 2**23
   keys = zn.astype(np.float64) - np.log(-np.log(u))
   top2 = np.sort(keys, axis=1)[:, -2:]
   clear = top2[:, 1] - top2[:, 0] > 1e-4
@@ -215,8 +223,10 @@ def test_draw_in_the_head_kernel(t, layout):
   assert np.array_equal(tokens[clear], want_tokens[clear])
   assert np.array_equal(tokens[clear], np.argmax(keys, axis=1)[clear])
   assert np.all(keys[rows, tokens] >= top2[:, 0] - 1e-4)
+  assert not ids[tokens].any()
   merged = merge_logit_partials(LogitPartials(*stats), implementation=IMPL)
-  logp, _ = sp.finalize(tz, merged.lse, merged.entropy, jnp.asarray(tokens), None, V)
-  want = linear_logp(x, w, jnp.asarray(tokens), temperature=0.7, weight_layout=layout,
-                     implementation=IMPL)
+  logp, _ = sp.finalize(tz, merged.lse, merged.entropy, jnp.asarray(tokens), None, v)
+  assert np.all(np.isfinite(np.asarray(logp)))
+  want = linear_logp(x, w, jnp.asarray(tokens), bias=b, temperature=0.7,
+                     weight_layout=layout, implementation=IMPL)
   assert_bitwise_equal(logp, want, "logp of the drawn tokens")

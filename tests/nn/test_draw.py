@@ -24,12 +24,12 @@ def _uniforms(seed, rows, cols):
 
 
 def test_noise_words_are_uniform_distinct_and_uncorrelated():
-  """Top-24-bit uniforms over 2048 rows x 1024 columns: mean, variance and the
+  """Top-23-bit uniforms over 2048 rows x 1024 columns: mean, variance and the
   Kolmogorov-Smirnov distance within 5 sigma of U(0, 1); neighbouring columns, rows and
   steps (seeds of fold_in(key, 0) and (key, 1)) uncorrelated within 5 sigma; every word in
   a row distinct. Control: the column index itself as the word fails the correlation bound."""
   words = _uniforms(SEED, 2048, 1024)
-  u = ((words >> 8).astype(np.float64) + 0.5) / 2**24
+  u = ((words >> 9).astype(np.float64) + 0.5) / 2**23
   n = u.size
   assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
   assert abs(u.var() - 1 / 12) < 5 * np.sqrt(1 / 180 / n)
@@ -45,10 +45,26 @@ def test_noise_words_are_uniform_distinct_and_uncorrelated():
   assert corr(u[:-1], u[1:]) < bound
   other = _uniforms(draw.seed_words(jax.random.fold_in(jax.random.key(0), 1)), 2048, 1024)
   step0 = _uniforms(draw.seed_words(jax.random.fold_in(jax.random.key(0), 0)), 2048, 1024)
-  assert corr(((other >> 8) + 0.5) / 2**24, ((step0 >> 8) + 0.5) / 2**24) < bound
+  assert corr(((other >> 9) + 0.5) / 2**23, ((step0 >> 9) + 0.5) / 2**23) < bound
   assert all(len(np.unique(r)) == r.size for r in words[:64])
   cols = np.broadcast_to(np.arange(1024.0), u.shape)
   assert corr(cols[:, :-1], cols[:, 1:]) > bound  # the control: a bad word is caught
+
+
+def test_every_noise_word_gives_a_positive_finite_exponential():
+  """The extreme words (all bits 0 or 1, and the 23 kept bits all 0 or all 1 under any
+  low bits) give ``E`` in ``[5.96e-8, 16.7]``: ``u`` is never rounded to 0 or 1 (with 24
+  kept bits, ``2^24 - 1/2`` rounds to ``2^24`` in float32: ``u = 1``, ``E = -0``, and a
+  column with ``e = 0`` gets ``0 / -0`` = NaN, dropping its whole tile from the race).
+  Between them, ``E`` decreases with the word, and ``-log`` of the float32 ``u`` matches
+  float64 within 1e-6 relative."""
+  words = np.array([0, 1, 0x1FF, 0x200, 0x7FFFFFFF, 0x80000000, 0xFFFFFE00, 0xFFFFFDFF,
+                    0xFFFFFFFF], np.uint32)
+  e = np.asarray(draw.exp_noise(jnp.asarray(words.view(np.int32))), np.float64)
+  assert np.all(np.isfinite(e)) and np.all(e >= 5.9e-8) and np.all(e <= 16.7), e
+  assert np.all(np.diff(e[np.argsort(words)]) <= 0)
+  u64 = ((words >> 9).astype(np.float64) + 0.5) / 2**23
+  np.testing.assert_allclose(e, -np.log(u64), rtol=1e-6)
 
 
 def _softmax64(z):
