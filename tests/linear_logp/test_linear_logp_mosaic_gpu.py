@@ -186,6 +186,7 @@ def test_sampler_path_is_the_fused_op_bitwise(layout, bias):
                                              ("hv", 3100, True), ("vh", 3100, True)])
 def test_draw_in_the_head_kernel(t, layout, v, masked):
   """The draw in the LM head's epilogue (``logits_draw``, no logits in memory): its
+  tokens, token logits and statistics are the same bits with 64- and 128-row CTAs; its
   statistics are bitwise those of the logits kernel; each token's logit is that token's
   stored logit exactly; the drawn tokens' log-probs from them are ``linear_logp``'s bitwise;
   the tokens are the stored-logits race's (``draw.draw_from_logits``) on every row whose
@@ -207,6 +208,11 @@ def test_draw_in_the_head_kernel(t, layout, v, masked):
   seed = draw.seed_words(jax.random.key(5))
   kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16)
   tokens, tz, stats = lm.logits_draw(x, w, b, seed, **kw)
+  # The CTA's row count is a free knob: 128-row CTAs draw the same bits.
+  wide = lm.logits_draw(x, w, b, seed, **kw, config=lm.MosaicLogpConfig(tile_m=128))
+  for got, want, name in zip(jax.tree.leaves(wide), jax.tree.leaves((tokens, tz, stats)),
+                             ("tokens", "token logits", "m", "s", "u"), strict=True):
+    assert_bitwise_equal(got, want, f"{name} with 128-row CTAs")
   z, ref_stats = lm.logits(x, w, b, **kw, return_stats=True)
   for got, want, name in zip(stats, ref_stats, "msu", strict=True):
     assert_bitwise_equal(got, want, f"statistic {name}")
