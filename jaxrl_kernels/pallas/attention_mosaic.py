@@ -78,8 +78,11 @@ BLOCK_Q = contract.ATTENTION_MOSAIC_BLOCK_Q
 KEY_TILE = contract.ATTENTION_MOSAIC_KEY_TILE
 NUM_COMPUTE_WGS = 2
 CTA_ROWS = NUM_COMPUTE_WGS * BLOCK_Q
-# Free knob (does not change any bits): depth of the K/V shared-memory ring.
+# Free knob (does not change any bits): depth of the K/V shared-memory ring, the default
+# of forward's ``stages``.
 STAGES = 2
+# Shared memory a CTA may hold on Hopper (227 KiB): the bound ``stages`` is checked against.
+SMEM_BYTES = 227 * 1024
 
 HEAD_DIMS = (64, 128)
 # The widest head dim whose two decode lanes' K/V rings fit in shared memory (lanes_for).
@@ -123,10 +126,11 @@ def lanes_for(rows: int, bsz: int, heads: int, d: int) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref, smem, loaded,
-            consumed, schedule, *, n_qblocks, group, d, scale2, wgs, lanes, heads_major):
+            consumed, schedule, *, n_qblocks, group, d, scale2, wgs, lanes, heads_major,
+            stages):
   # lanes == 1: the CTA's warpgroups share one batch entry's K/V tiles (one ring) and, with
   # two, ping-pong through the schedule barrier. lanes == wgs: warpgroup w works alone on
-  # batch entry (CTA index * lanes + w) through its own ring ``[w * STAGES, (w + 1) * STAGES)``.
+  # batch entry (CTA index * lanes + w) through its own ring ``[w * stages, (w + 1) * stages)``.
   qo_smem2, k_smem, v_smem, last_smem2, lse_smem2 = smem
   k_loaded, v_loaded, q_loaded, last_loaded = loaded
   k_free, v_free = consumed
@@ -148,7 +152,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     plgpu.set_max_registers(232, action="increase")
     lane = 0 if coupled else wg
     b = b0 + lane
-    ring = lane * STAGES  # this lane's first slot of the K/V ring and its barriers
+    ring = lane * stages  # this lane's first slot of the K/V ring and its barriers
     n_tiles = ntiles_ref[b, qb]  # tiles up to the one holding the block's largest `last`
     kv_len = kvlen_ref[b]
     qo_smem, last_smem, lse_smem = qo_smem2.at[wg], last_smem2.at[wg], lse_smem2.at[wg]
@@ -174,7 +178,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
     def tile(t, carry):
       acc, m, den = carry
-      slot = ring + lax.rem(t, jnp.int32(STAGES))
+      slot = ring + lax.rem(t, jnp.int32(stages))
       key0 = t * KEY_TILE
       clean = key0 + KEY_TILE <= kv_len
 
@@ -226,7 +230,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
         @pl.when(nxt < n_tiles)
         def _():
-          plgpu.barrier_wait(k_loaded.at[ring + lax.rem(nxt, jnp.int32(STAGES))])
+          plgpu.barrier_wait(k_loaded.at[ring + lax.rem(nxt, jnp.int32(stages))])
 
       acc_new = pl.run_state(pv)(plgpu.ACC.init(acc_scaled))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -263,16 +267,16 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     # values, so a tile that reaches past S is a TMA zero-fill at run time rather
     # than a static out-of-bounds slice at trace time.
     for lane in range(lanes):
-      @pl.loop(0, jnp.minimum(counts[lane], STAGES))
+      @pl.loop(0, jnp.minimum(counts[lane], stages))
       def _(t, lane=lane):
         window = (b0 + lane, pl.ds(t * KEY_TILE, KEY_TILE), hk)
-        slot = lane * STAGES + t
+        slot = lane * stages + t
         plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
 
     def refill(step, lane):
-      slot = lane * STAGES + lax.rem(step, jnp.int32(STAGES))
-      window = (b0 + lane, pl.ds((step + STAGES) * KEY_TILE, KEY_TILE), hk)
+      slot = lane * stages + lax.rem(step, jnp.int32(stages))
+      window = (b0 + lane, pl.ds((step + stages) * KEY_TILE, KEY_TILE), hk)
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
@@ -280,17 +284,28 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
     # The lanes' refills interleaved, one tile each per step: a lane waits only on
     # its own consumer, which waits only on loads already issued.
-    @pl.loop(0, jnp.maximum(functools.reduce(jnp.maximum, counts) - STAGES, 0))
+    @pl.loop(0, jnp.maximum(functools.reduce(jnp.maximum, counts) - stages, 0))
     def _(step):
       if lanes == 1:
         refill(step, 0)
         return
       for lane in range(lanes):
-        pl.when(step < counts[lane] - STAGES)(functools.partial(refill, step, lane))
+        pl.when(step < counts[lane] - stages)(functools.partial(refill, step, lane))
+
+
+def smem_bytes(d: int, itemsize: int, *, wgs: int, lanes: int, stages: int) -> int:
+  """Shared memory of a CTA as Mosaic counts it: the q/output tiles, ``lanes`` K and V rings
+  of ``stages`` tiles, the rows' positions and logsumexps (each buffer aligned to 1 KiB),
+  the barriers, and the 2 KiB the lowering adds (checked against Mosaic's own count at
+  D = 64 and 128, one and two warpgroups and lanes, one to three stages)."""
+  tiles = (wgs * BLOCK_Q * d + 2 * lanes * stages * KEY_TILE * d) * itemsize
+  rows = 2 * round_up(wgs * BLOCK_Q * 4, 1024)
+  barriers = (2 * lanes * stages * 2 + 2 * wgs + 1) * 8
+  return tiles + rows + barriers + 2048
 
 
 def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None = None,
-            heads_major: bool = False):
+            heads_major: bool = False, stages: int | None = None):
   """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
 
   Exactly the contract and residual format of ``attention_triton.forward``:
@@ -298,7 +313,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   ``s = log2(e) * scale * q . k`` over visible keys (0 for a row that sees none).
   ``q_positions [B, Tq]`` and ``kv_lengths [B]`` are int32. ``lanes`` (batch entries
   per CTA, 1 or 2 for at most ``BLOCK_Q`` rows; default :func:`lanes_for`) is a free
-  knob, exposed for the tests that compare its values.
+  knob, exposed for the tests that compare its values. ``stages`` (the depth of each K/V
+  ring, default ``STAGES``) is another: the tiles are the same, only how many are loaded
+  ahead changes.
 
   ``heads_major``: ``q`` is ``[B, Hq, Tq, D]`` and the output is returned so (the
   logsumexp keeps its layout). A free layout knob: each CTA copies the same rows into
@@ -325,6 +342,14 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
                      f"memory), got {lanes} for {tq} rows at D = {d}")
   cta_rows = wgs * BLOCK_Q
   wgs = max(wgs, lanes)
+  if stages is None:
+    stages = STAGES
+  if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+    raise ValueError(f"causal_attention(mosaic): stages must be an int >= 1, got {stages!r}")
+  need = smem_bytes(d, q.dtype.itemsize, wgs=wgs, lanes=lanes, stages=stages)
+  if need > SMEM_BYTES:
+    raise ValueError(f"causal_attention(mosaic): stages = {stages} needs {need} bytes of shared "
+                     f"memory with {lanes} K/V ring(s) at D = {d} (at most {SMEM_BYTES})")
   n_qblocks = cdiv(tq, cta_rows)
   tq_pad = n_qblocks * cta_rows
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
@@ -364,20 +389,20 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
     scratch = (
         plgpu.SMEM((wgs, BLOCK_Q, d), q.dtype, transforms=smem_transforms),
-        plgpu.SMEM((lanes * STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
-        plgpu.SMEM((lanes * STAGES, KEY_TILE, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((lanes * stages, KEY_TILE, d), q.dtype, transforms=smem_transforms),
+        plgpu.SMEM((lanes * stages, KEY_TILE, d), q.dtype, transforms=smem_transforms),
         plgpu.SMEM((wgs, BLOCK_Q), jnp.int32),
         plgpu.SMEM((wgs, BLOCK_Q), jnp.float32),
     )
-    loaded = (plgpu.Barrier(num_barriers=lanes * STAGES),
-              plgpu.Barrier(num_barriers=lanes * STAGES),
+    loaded = (plgpu.Barrier(num_barriers=lanes * stages),
+              plgpu.Barrier(num_barriers=lanes * stages),
               plgpu.Barrier(num_barriers=wgs),
               plgpu.Barrier(num_barriers=wgs))
-    consumed = (plgpu.Barrier(num_arrivals=wgs // lanes, num_barriers=lanes * STAGES),) * 2
+    consumed = (plgpu.Barrier(num_arrivals=wgs // lanes, num_barriers=lanes * stages),) * 2
     schedule = plgpu.Barrier(num_arrivals=wgs)
     kernel = functools.partial(_kernel, n_qblocks=n_qblocks, group=hq // hkv, d=d,
                                scale2=scale * LOG2E, wgs=wgs, lanes=lanes,
-                               heads_major=heads_major)
+                               heads_major=heads_major, stages=stages)
     pl.run_scoped(
         lambda *scoped: kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref,
                                lse_ref, *scoped),

@@ -400,6 +400,48 @@ def test_mosaic_decode_step_copies_no_query():
   assert copies.search(control)
 
 
+@pytest.mark.parametrize("b,tq,d,stages,heads_major", [(64, 4, 64, 3, True), (2, 4, 64, 1, True),
+                                                      (2, 4, 128, 3, True),
+                                                      (1, 300, 64, 3, False)])
+def test_mosaic_ring_depths_lower_for_cuda(b, tq, d, stages, heads_major):
+  """The K/V ring's depth (``stages``, a free knob) lowers for CUDA at a decode step over
+  two lanes (three stages: two rings of three 8 KiB K and V tiles each), with one stage, at
+  D = 128 with three, and at a D = 64 prefill block with three; bits:
+  test_attention_mosaic_gpu.py."""
+  from jaxrl_kernels.pallas import attention_mosaic
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  sd = jax.ShapeDtypeStruct
+  qs = (b, 8, tq, d) if heads_major else (b, tq, 8, d)
+  args = (sd(qs, bf16), sd((b, 1536, 2, d), bf16), sd((b, 1536, 2, d), bf16),
+          sd((b, tq), i32), sd((b,), i32))
+  fn = jax.jit(functools.partial(attention_mosaic.forward, scale=d ** -0.5, stages=stages,
+                                 heads_major=heads_major))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert [a.shape for a in exported.out_avals] == [qs, (b, 8, tq)]
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_mosaic_ring_depth_is_checked():
+  """``stages`` must be an int >= 1 whose rings fit in shared memory: refused by name
+  before any kernel is built. The default fits every supported shape."""
+  from jaxrl_kernels.pallas import attention_mosaic as am
+  q = jnp.zeros((2, 1, 4, 128), jnp.bfloat16)
+  k = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+  pos, kvl = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
+  for bad in (0, -1, True, 2.0):
+    with pytest.raises(ValueError, match="stages must be an int >= 1"):
+      am.forward(q, k, k, pos, kvl, scale=1.0, stages=bad)
+  with pytest.raises(ValueError, match="stages = 5 needs .* bytes of shared memory"):
+    am.forward(q, k, k, pos, kvl, scale=1.0, stages=5)
+  # A D = 128 prefill block with three stages: 233608 bytes by Mosaic's count, over 227 KiB.
+  q2 = jnp.zeros((1, 300, 4, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="stages = 3 needs 233608 bytes"):
+    am.forward(q2, k[:1], k[:1], jnp.zeros((1, 300), jnp.int32), kvl[:1], scale=1.0, stages=3)
+  for d in am.HEAD_DIMS:
+    for wgs, lanes in ((2, 1), (1, 1)) + (((2, 2),) if d <= am.LANES_MAX_D else ()):
+      assert am.smem_bytes(d, 2, wgs=wgs, lanes=lanes, stages=am.STAGES) <= am.SMEM_BYTES
+
+
 def test_mosaic_lanes_need_one_block_and_d64():
   """Two lanes hold two K/V rings: refused at D = 128 and for more than one block's rows,
   by name, before any kernel is built."""

@@ -82,6 +82,31 @@ def test_decode_lanes_keep_the_bits():
                              scale=d ** -0.5, lanes=2)
 
 
+@pytest.mark.parametrize("tq,d,stages", [(1, 64, 1), (1, 64, 3), (1, 128, 3), (300, 64, 3),
+                                         (300, 128, 1)])
+def test_ring_depth_keeps_the_bits(tq, d, stages):
+  """The K/V ring's depth (``stages``) changes how many tiles are loaded ahead, not which
+  tiles or their order: out and lse are the default depth's bits, for decode steps (two
+  lanes at D = 64, an odd batch) and prefill blocks, with NaN past kv_lengths."""
+  b, s, hq, hkv = 5, 700, 8, 2
+  ks = jax.random.split(jax.random.key(tq + d + stages), 4)
+  q = jax.random.normal(ks[0], (b, tq, hq, d)).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, hkv, d)).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, s, hkv, d)).astype(jnp.bfloat16)
+  pos = jnp.minimum(jax.random.randint(ks[3], (b, 1), 0, s - tq + 1) + jnp.arange(tq),
+                    s - 1).astype(jnp.int32)
+  kvl = jnp.array([700, 1, 351, 200, 699], jnp.int32)
+  past = jnp.arange(s)[None, :, None, None] >= kvl[:, None, None, None]
+  k, v = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
+  lanes = 2 if tq == 1 and d <= attention_mosaic.LANES_MAX_D else None
+  base = attention_mosaic.forward(q, k, v, pos, kvl, scale=d ** -0.5, lanes=lanes)
+  got = attention_mosaic.forward(q, k, v, pos, kvl, scale=d ** -0.5, lanes=lanes,
+                                 stages=stages)
+  for name, x, y in zip(("out", "lse"), base, got):
+    assert np.all(np.isfinite(np.asarray(y, np.float32))), name
+    assert_bitwise_equal(y, x, f"{name}: {stages} stages vs {attention_mosaic.STAGES}")
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("rows", [1, 4, 7, 12, 16, 70, 130, 200])
 def test_heads_major_keeps_the_bits(d, rows):
