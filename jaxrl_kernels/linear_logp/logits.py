@@ -235,14 +235,19 @@ def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Arra
   n_tiles = -(-v // contract.VOCAB_TILE)
   h2 = hidden.reshape(math.prod(lead), hd)
   if h2.shape[0] == 0:
-    empty = jnp.zeros((n_tiles, *lead), jnp.float32)
-    return jnp.zeros((*lead, v), jnp.float32), LogitPartials(empty - jnp.inf, empty, empty)
+    return jnp.zeros((*lead, v), jnp.float32), _no_rows_partials(n_tiles, lead)
   h2, weight = api.with_features(h2, weight, weight_layout)
   temp = sp.temperature_scalar(temperature)
   st = _Static(weight_layout, compute_dtype.name, impl)
   z, (m, s, u) = _stats_project(h2, weight, bias, temp, st)
   parts = LogitPartials(*(x.reshape(n_tiles, *lead) for x in (m, s, u)))
   return z.reshape(*lead, v), parts
+
+
+def _no_rows_partials(n_tiles: int, lead: tuple[int, ...]) -> LogitPartials:
+  """The per-tile statistics of no rows: ``[n_tiles, *lead]`` with a zero-sized ``lead``."""
+  empty = jnp.zeros((n_tiles, *lead), jnp.float32)
+  return LogitPartials(empty - jnp.inf, empty, empty)
 
 
 def head_draw_partials(hidden: jax.Array, weight: jax.Array, seed: jax.Array, *,
@@ -278,9 +283,8 @@ def head_draw_partials(hidden: jax.Array, weight: jax.Array, seed: jax.Array, *,
   n_tiles = -(-v // contract.VOCAB_TILE)
   h2 = hidden.reshape(math.prod(lead), hd)
   if h2.shape[0] == 0:
-    empty = jnp.zeros((n_tiles, *lead), jnp.float32)
     return (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.float32),
-            LogitPartials(empty - jnp.inf, empty, empty))
+            _no_rows_partials(n_tiles, lead))
   h2, weight = api.with_features(h2, weight, weight_layout)
   temp = sp.temperature_scalar(temperature)
   st = _Static(weight_layout, compute_dtype.name, impl)

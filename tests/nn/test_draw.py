@@ -146,6 +146,24 @@ def test_head_draw_reports_the_trainers_logp(implementation, layout):
   assert len(np.unique(np.asarray(tokens))) > 5  # not one token for every row
 
 
+def test_no_rows_draw_nothing():
+  """A call with no rows (``[0, H]``, ``[2, 0, H]``) gives tokens, token logits and logits
+  of the rows' shape and float32 statistics ``[n_tiles, *lead]``, as the logits partials of
+  no rows do."""
+  from jaxrl_kernels.linear_logp.logits import head_logits_partials  # noqa: PLC0415
+  w = jnp.ones((8, 300))
+  for lead in ((0,), (2, 0)):
+    x = jnp.ones((*lead, 8))
+    tokens, tz, parts = head_draw_partials(x, w, SEED, implementation="cpu")
+    z, lparts = head_logits_partials(x, w, implementation="cpu")
+    assert tokens.shape == tz.shape == lead and tokens.dtype == jnp.int32
+    assert z.shape == (*lead, 300)
+    assert tz.dtype == z.dtype == jnp.float32
+    for got, want in zip(parts, lparts, strict=True):
+      assert got.shape == want.shape == (3, *lead)
+      assert got.dtype == want.dtype == jnp.float32
+
+
 def test_head_draw_refuses_what_it_cannot_draw():
   x, w = jnp.ones((2, 8)), jnp.ones((8, 5))
   with pytest.raises(ValueError, match="seed must be int32"):
