@@ -10,6 +10,18 @@ import jax
 L2_BYTES = 50 * 2**20  # H100; rotate operands so repeated runs do not hit the cache
 
 
+def pipelined_ms(fn, arg_sets, calls: int) -> float:
+  """Milliseconds per call of ``calls`` calls enqueued back to back (cycling through
+  ``arg_sets``, a list of argument tuples) and one block at the end, as a training or
+  sampling loop runs them. Compiles and warms up on every argument set first."""
+  for args in arg_sets:
+    jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - t0) * 1e3 / calls
+
+
 def copies_for(nbytes: int, cap: int = 8) -> int:
   """How many copies of an operand of ``nbytes`` to rotate through (>= 3x the L2)."""
   return max(1, min(cap, -(-3 * L2_BYTES // max(nbytes, 1))))

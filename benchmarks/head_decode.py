@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ import numpy as np
 from jaxrl_kernels.linear_logp import linear_logp
 from jaxrl_kernels.nn import head_logits, logp_from_stats
 from jaxrl_kernels.nn.lm_head import head_logits_partials
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import pipelined_ms  # noqa: E402
 
 
 def _ours(implementation):
@@ -58,15 +62,6 @@ def _stock(h, w, tok):
   return logits, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
 
 
-def pipelined_ms(f, hs, w, tok, calls: int) -> float:
-  """Milliseconds per call of ``calls`` calls enqueued back to back, one block at the end."""
-  jax.block_until_ready(f(hs[0], w, tok))
-  t0 = time.perf_counter()
-  out = [f(hs[i % len(hs)], w, tok) for i in range(calls)]
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) * 1e3 / calls
-
-
 def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation) -> dict:
   """One shape: both paths' time per call and the bitwise check against the trainer."""
   k = jax.random.split(jax.random.key(t), 3)
@@ -76,10 +71,11 @@ def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation) -> d
   tok = jax.random.randint(k[2], (t,), 0, vocab)
   ours = _ours(implementation)
   stock = jax.jit(_stock)
+  sets = [(h, w, tok) for h in hs]
   row = {"t": t, "h": hidden, "v": vocab,
-         "ours_ms": pipelined_ms(ours, hs, w, tok, calls),
-         "deferred_ms": pipelined_ms(_ours_deferred(implementation), hs, w, tok, calls),
-         "stock_ms": pipelined_ms(stock, hs, w, tok, calls)}
+         "ours_ms": pipelined_ms(ours, sets, calls),
+         "deferred_ms": pipelined_ms(_ours_deferred(implementation), sets, calls),
+         "stock_ms": pipelined_ms(stock, sets, calls)}
   trainer = jax.jit(lambda h, w, tok: linear_logp(h, w, tok, implementation=implementation))
   lp = np.asarray(ours(hs[0], w, tok)[1])
   row["bitwise"] = bool(np.array_equal(lp.view(np.uint32),

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,9 @@ from jaxrl_kernels.linear_logp.logits import (
 )
 from jaxrl_kernels.pallas import draw
 from jaxrl_kernels.pallas import softmax_partials as sp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import pipelined_ms  # noqa: E402
 
 
 def _head_draw(implementation):
@@ -63,26 +67,17 @@ def _stock(h, w, key):
   return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
 
 
-def pipelined_ms(f, hs, w, calls: int) -> float:
-  """Milliseconds per call of ``calls`` calls enqueued back to back, one block at the end."""
-  keys = [jax.random.key(i) for i in range(calls)]
-  jax.block_until_ready(f(hs[0], w, keys[0]))
-  t0 = time.perf_counter()
-  out = [f(hs[i % len(hs)], w, keys[i]) for i in range(calls)]
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) * 1e3 / calls
-
-
 def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation) -> dict:
   k = jax.random.split(jax.random.key(t), 2)
   w = (jax.random.normal(k[0], (hidden, vocab), jnp.float32) * 0.05).astype(jnp.bfloat16)
   hs = [jax.random.normal(jax.random.fold_in(k[1], i), (t, hidden), jnp.bfloat16)
         for i in range(4)]
   fused = _head_draw(implementation)
+  sets = [(h, w, jax.random.key(i)) for i, h in enumerate(hs)]
   row = {"t": t, "h": hidden, "v": vocab,
-         "fused_ms": pipelined_ms(fused, hs, w, calls),
-         "logits_ms": pipelined_ms(_logits_draw(implementation), hs, w, calls),
-         "stock_ms": pipelined_ms(jax.jit(_stock), hs, w, calls)}
+         "fused_ms": pipelined_ms(fused, sets, calls),
+         "logits_ms": pipelined_ms(_logits_draw(implementation), sets, calls),
+         "stock_ms": pipelined_ms(jax.jit(_stock), sets, calls)}
   tok, tz, parts = fused(hs[0], w, jax.random.key(0))
   stats = merge_logit_partials(LogitPartials(*parts), implementation=implementation)
   lp, _ = sp.finalize(tz, stats.lse, stats.entropy, tok, None, vocab)

@@ -43,7 +43,7 @@ from jaxrl_kernels import contract, det_matmul, models, row_parallel_matmul
 from jaxrl_kernels._compat import shard_map
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _timing import copies_for, device_ms  # noqa: E402
+from _timing import copies_for, device_ms, pipelined_ms  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b")
 # Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (B/s), by device kind.
@@ -56,17 +56,6 @@ _START = time.perf_counter()
 def log(msg: str) -> None:
   """A time-stamped progress line on stderr."""
   print(f"[{time.perf_counter() - _START:7.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-def pipelined_ms(fn, arg_sets, iters: int) -> float:
-  """Milliseconds per call with ``iters`` calls in flight (cycling through ``arg_sets``)
-  and one block at the end. Compiles and warms up on every argument set first."""
-  for args in arg_sets:
-    jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(iters)]
-  jax.block_until_ready(outs)
-  return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def layer_shapes(args) -> list[tuple[str, int, int]]:

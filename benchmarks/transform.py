@@ -28,7 +28,6 @@ import datetime
 import functools
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,21 +36,10 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "transform"))
 import llama_jnp as L  # noqa: E402
-from _timing import breakdown_lines, device_ms, kernel_breakdown  # noqa: E402
+from _timing import breakdown_lines, device_ms, kernel_breakdown, pipelined_ms  # noqa: E402
 
 import jaxrl_kernels as jk  # noqa: E402
 from jaxrl_kernels.transform import batch_invariant  # noqa: E402
-
-
-def pipelined_ms(f, *args, iters: int) -> float:
-  """Milliseconds per call with ``iters`` calls in flight and one sync at the end."""
-  jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  out = None
-  for _ in range(iters):
-    out = f(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def main() -> None:
@@ -106,14 +94,14 @@ def main() -> None:
       ms = device_ms(train, params, tokens, iterations=a.iters)
       row["train_ms"] = ms
       row["train_tok_s"] = train_tokens / ms * 1e3
-      row["train_pipelined_ms"] = pipelined_ms(train, params, tokens, iters=a.iters)
+      row["train_pipelined_ms"] = pipelined_ms(train, [(params, tokens)], a.iters)
     except Exception as e:  # noqa: BLE001 - record the failure, keep going
       row["train_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     try:
       ms = device_ms(dec, params, cache, dec_tok, step, iterations=a.iters)
       row["decode_ms"] = ms
       row["decode_tok_s"] = a.decode_batch / ms * 1e3
-      row["decode_pipelined_ms"] = pipelined_ms(dec, params, cache, dec_tok, step, iters=a.iters)
+      row["decode_pipelined_ms"] = pipelined_ms(dec, [(params, cache, dec_tok, step)], a.iters)
     except Exception as e:  # noqa: BLE001
       row["decode_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     for what, err, f, args in (("training step", "train_error", train, (params, tokens)),

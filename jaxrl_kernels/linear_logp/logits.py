@@ -208,6 +208,19 @@ class LogitPartials(NamedTuple):
   u: jax.Array
 
 
+def _rows_and_tiles(hidden: jax.Array, hd: int, v: int):
+  """``hidden [..., H]``'s leading shape, the head's vocabulary tile count and the rows as
+  ``[T, H]``."""
+  lead = hidden.shape[:-1]
+  return lead, -(-v // contract.VOCAB_TILE), hidden.reshape(math.prod(lead), hd)
+
+
+def _no_rows_partials(n_tiles: int, lead: tuple[int, ...]) -> LogitPartials:
+  """The per-tile statistics of no rows: ``[n_tiles, *lead]`` with a zero-sized ``lead``."""
+  empty = jnp.zeros((n_tiles, *lead), jnp.float32)
+  return LogitPartials(empty - jnp.inf, empty, empty)
+
+
 def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Array | None = None,
                          temperature: float | jax.Array = 1.0, weight_layout: str = "hv",
                          fp32_head: bool = False, implementation: str | None = None
@@ -231,9 +244,7 @@ def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Arra
   if impl == "xla":
     raise ValueError(f"{op}: implementation='xla' has no per-tile statistics; use "
                      f"head_logits(..., return_stats=True)")
-  lead = hidden.shape[:-1]
-  n_tiles = -(-v // contract.VOCAB_TILE)
-  h2 = hidden.reshape(math.prod(lead), hd)
+  lead, n_tiles, h2 = _rows_and_tiles(hidden, hd, v)
   if h2.shape[0] == 0:
     return jnp.zeros((*lead, v), jnp.float32), _no_rows_partials(n_tiles, lead)
   h2, weight = api.with_features(h2, weight, weight_layout)
@@ -242,12 +253,6 @@ def head_logits_partials(hidden: jax.Array, weight: jax.Array, *, bias: jax.Arra
   z, (m, s, u) = _stats_project(h2, weight, bias, temp, st)
   parts = LogitPartials(*(x.reshape(n_tiles, *lead) for x in (m, s, u)))
   return z.reshape(*lead, v), parts
-
-
-def _no_rows_partials(n_tiles: int, lead: tuple[int, ...]) -> LogitPartials:
-  """The per-tile statistics of no rows: ``[n_tiles, *lead]`` with a zero-sized ``lead``."""
-  empty = jnp.zeros((n_tiles, *lead), jnp.float32)
-  return LogitPartials(empty - jnp.inf, empty, empty)
 
 
 def head_draw_partials(hidden: jax.Array, weight: jax.Array, seed: jax.Array, *,
@@ -279,9 +284,7 @@ def head_draw_partials(hidden: jax.Array, weight: jax.Array, seed: jax.Array, *,
   if seed.shape != (2,) or seed.dtype != jnp.int32:
     raise ValueError(f"{op}: seed must be int32 [2] (draw.seed_words(key)), got "
                      f"{seed.dtype} {seed.shape}")
-  lead = hidden.shape[:-1]
-  n_tiles = -(-v // contract.VOCAB_TILE)
-  h2 = hidden.reshape(math.prod(lead), hd)
+  lead, n_tiles, h2 = _rows_and_tiles(hidden, hd, v)
   if h2.shape[0] == 0:
     return (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.float32),
             _no_rows_partials(n_tiles, lead))
