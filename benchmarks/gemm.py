@@ -21,6 +21,7 @@ from _timing import copies_for, device_ms
 from jaxrl_kernels import det_matmul
 
 MS = (1, 16, 64, 256, 1024, 4096, 8192)
+HBM_PEAK_TBS = 3.35  # H100 SXM HBM3
 KNS = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 151936))
 
 
@@ -67,6 +68,9 @@ def run(impls, ms, kns, fwd_bwd: bool, out=None):
       flops = 2.0 * m * n * k
       row = {"m": m, "k": k, "n": n}
       row["jnp.dot"] = flops * reps / device_ms(_fwd("jnp.dot"), a, bs) / 1e9
+      if m == 1:  # a GEMV streams the weight once: what a plain read of it reaches
+        read = jax.jit(lambda bs: [jnp.sum(b, axis=0, dtype=jnp.float32) for b in bs])
+        row["read"] = 2.0 * k * n * reps / device_ms(read, bs) / 1e9
       if fwd_bwd:
         g = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
         row["jnp.dot_fb"] = 3 * flops * reps / device_ms(_fwd_bwd("jnp.dot"), a, bs, g) / 1e9
@@ -141,7 +145,24 @@ def main():
   if args.out:  # rows are appended as they are measured, so a cut run keeps them
     with open(args.out, "w") as fh:
       fh.write(head + "\n\n" + _header(impls, not args.no_bwd) + "\n")
-  run(impls, ms, kns, fwd_bwd=not args.no_bwd, out=args.out)
+  rows = run(impls, ms, kns, fwd_bwd=not args.no_bwd, out=args.out)
+  gemv = [r for r in rows if "read" in r]
+  if gemv:
+    # At M = 1, 2 K N flops are the 2 K N bytes of the weight: TFLOP/s is TB/s.
+    lines = ["", f"M = 1 against HBM bandwidth ({HBM_PEAK_TBS} TB/s peak); read = an XLA "
+             "column sum of the same weight, float32 accumulation (the streaming floor at this "
+             "size):", "", "| K | N | weight MB | read TB/s (% peak) | jnp.dot TB/s (% peak) | "
+             + " | ".join(f"{i} TB/s (% peak)" for i in impls) + " |",
+             "|" + "---|" * (5 + len(impls))]
+    for r in gemv:
+      cells = [str(r["k"]), str(r["n"]), f"{2 * r['k'] * r['n'] / 1e6:.1f}"]
+      cells += [f"{r[c]:.2f} ({100 * r[c] / HBM_PEAK_TBS:.0f}%)"
+                for c in ("read", "jnp.dot", *impls)]
+      lines.append("| " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if args.out:
+      with open(args.out, "a") as fh:
+        fh.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

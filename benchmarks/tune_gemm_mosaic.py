@@ -63,19 +63,33 @@ WIDE = [
     C(tile_m=64, tile_n=128, num_compute_wgs=3, wg_split="m", max_concurrent_steps=4,
       grid_minor="m", grid_tile_width=8),
 ]
-# M <= 64 (a decode step): how many columns per CTA spread a weight stream over the SMs.
-# (32-column tiles do not compile: Mosaic's layout inference fails on the 64-byte-swizzled
-# weight tile.)
+# M <= 64 (a decode step): how many columns per CTA spread a weight stream over the SMs
+# (32 columns: A's K tile in the weight tile's narrower swizzle), how many K columns per
+# pipeline step (tile_k), how deep a pipeline.
 DECODE = [
-    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4),
-    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=12),
-    C(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n", max_concurrent_steps=6),
-    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=6,
+      tile_k=128),
+    C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4,
+      tile_k=256),
     C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4),
+    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=4,
+      tile_k=128),
+    C(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n", max_concurrent_steps=2,
+      tile_k=256),
+    C(tile_m=64, tile_n=32, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8,
+      tile_k=128),
+]
+LARGE_K = [
+    C(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m", max_concurrent_steps=2,
+      grid_minor="m", grid_tile_width=8, tile_k=128),
+    C(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="n", max_concurrent_steps=3,
+      grid_minor="m", grid_tile_width=4, tile_k=128),
 ]
 # 64 < M <= 512: the tiles gemm_mosaic.mid_config picks from.
 MID_TILES = [cfg for cfg, _ in gm.MID_TILES]
-LISTS = dict(small=SMALL, m256=M256, large=LARGE, wide=WIDE, decode=DECODE, mid=MID_TILES)
+LISTS = dict(small=SMALL, m256=M256, large=LARGE, large_k=LARGE_K, wide=WIDE, decode=DECODE,
+             mid=MID_TILES)
 SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 14336), (1024, 14336, 4096),
           (4096, 4096, 4096), (8192, 4096, 14336), (8192, 4096, 151936)]
 

@@ -10,11 +10,13 @@ in registers:
     acc = 0;  for kk = 0, 1, ..., ceil(K / TILE_K) - 1:
       acc += A[:, kk TILE_K : (kk + 1) TILE_K] @ B[kk TILE_K : (kk + 1) TILE_K, :]
 
-each step as 4 k16 wgmma instructions in ascending order; no split-K, no
-stream-K. An element's K order depends on K only, never on M, N, the tile's
-position or the config. The caller's ``epilogue`` then receives each finished
-accumulator; the kernels differ only there (``gemm_mosaic`` stores the tile,
-``linear_logp_mosaic`` reduces it to softmax partials).
+each K tile as 4 k16 wgmma instructions in ascending order (a pipeline step of
+``cfg.tile_k`` columns issues the instructions of ``tile_k / TILE_K`` consecutive K tiles:
+the same sequence); no split-K, no stream-K. An element's K order depends on K
+only, never on M, N, the tile's position or the config. The caller's
+``epilogue`` then receives each finished accumulator; the kernels differ only
+there (``gemm_mosaic`` stores the tile, ``linear_logp_mosaic`` reduces it to
+softmax partials).
 
 Per-row and per-column epilogue operands (``operands``) are fetched by TMA
 while the K pipeline runs and are waited for before the epilogue starts.
@@ -68,6 +70,9 @@ class LoopConfig:
     grid_tile_width: band width of the planar snake walk.
     tree_registers: with ``chunks`` (:func:`persistent_matmul`), how many of the chunk
       tree's lowest levels keep their pending tile in registers (the rest in shared memory).
+    tile_k: the K columns of one pipeline step, a multiple of ``TILE_K``: the same k16
+      instructions in the same order into the same accumulator (a wider step issues more of
+      them between waits), so the same bits.
   """
 
   tile_m: int
@@ -78,6 +83,7 @@ class LoopConfig:
   grid_minor: str
   grid_tile_width: int
   tree_registers: int = 0
+  tile_k: int = TILE_K
 
   @property
   def cta_tile_m(self) -> int:
@@ -276,7 +282,10 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   cta_m, cta_n = cfg.cta_tile_m, cfg.cta_tile_n
   views = a_gmem.ndim == 3
-  tile_k = TILE_K
+  tile_k = cfg.tile_k
+  if tile_k < TILE_K or tile_k % TILE_K or (tile_k != TILE_K and (views or chunks > 1)):
+    raise ValueError(f"persistent_matmul: cfg.tile_k ({tile_k}) must be a multiple of "
+                     f"{TILE_K}, and {TILE_K} for a chunk tree")
   if views:
     kc = a_gmem.shape[2]
     if (chunks < 2 or lhs_transposed or rhs_transposed or group_rows is not None
@@ -287,6 +296,8 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                        f"{a_gmem.shape}, B {b_gmem.shape}, K {k}")
     tile_k = chunk_step(kc)
   m_iters, n_iters, k_iters = cdiv(m, cta_m), cdiv(n, cta_n), cdiv(k, tile_k)
+  if k % tile_k and not views:
+    raise ValueError(f"persistent_matmul: K ({k}) must be a multiple of cfg.tile_k ({tile_k})")
   if group_cols and (group_rows is None or a_gmem.ndim != 2 or m % group_rows
                      or a_gmem.shape[1] != m // group_rows * k
                      or a_gmem.shape[0] > group_rows or not rows_in_place(a_gmem.shape[0])):
@@ -320,17 +331,24 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                              lambda kk: (kk // chunk_steps, kk % chunk_steps, 0),
                              transforms=view_transforms)
   else:
-    if lhs_transposed:  # [K, M]: smem tile [TILE_K, cta_m]
-      a_spec = plgpu.BlockSpec((TILE_K, cta_m), lambda kk: (kk, 0),
+    # wgmma takes both operands in one swizzle: a plain B narrower than one 128-byte swizzle
+    # row (a 32-column CTA tile) puts A's K tile in B's swizzle too.
+    narrow_b = not rhs_transposed and cta_n * itemsize < 128
+    if narrow_b and lhs_transposed:
+      raise ValueError(f"persistent_matmul: a CTA tile of {cta_n} columns (under 128 bytes) "
+                       "needs a plain (untransposed) lhs")
+    if lhs_transposed:  # [K, M]: smem tile [tile_k, cta_m]
+      a_spec = plgpu.BlockSpec((tile_k, cta_m), lambda kk: (kk, 0),
                                transforms=smem_transforms(cta_m, itemsize))
-    else:  # [M, K]: smem tile [cta_m, TILE_K]
-      a_spec = plgpu.BlockSpec((cta_m, TILE_K), lambda kk: (0, kk),
-                               transforms=smem_transforms(TILE_K, itemsize))
-    if rhs_transposed:  # [N, K]: smem tile [cta_n, TILE_K]
-      b_spec = plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk),
-                               transforms=smem_transforms(TILE_K, itemsize))
-    else:  # [K, N]: smem tile [TILE_K, cta_n]
-      b_spec = plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0),
+    else:  # [M, K]: smem tile [cta_m, tile_k]
+      a_spec = plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk),
+                               transforms=smem_transforms(cta_n if narrow_b else tile_k,
+                                                          itemsize))
+    if rhs_transposed:  # [N, K]: smem tile [cta_n, tile_k]
+      b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk),
+                               transforms=smem_transforms(tile_k, itemsize))
+    else:  # [K, N]: smem tile [tile_k, cta_n]
+      b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0),
                                transforms=smem_transforms(cta_n, itemsize))
 
   def make_pipeline(body, compute_context):

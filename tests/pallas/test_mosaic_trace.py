@@ -1,6 +1,7 @@
 """The Hopper Mosaic kernels trace on any host: both run mosaic_loop's main loop (one
 persistent loop, two epilogues), and their Python kernel bodies build (no GPU needed)."""
 
+import dataclasses
 from unittest import mock
 
 import jax
@@ -137,6 +138,46 @@ def test_decode_tiles_widen_past_one_wave(n, tile_n):
   assert traced.tile_n == tile_n
   exported = jax.export.export(fn, platforms=["cuda"])(*args)
   assert f"det_matmul_k2048_n{n}" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("m,k,n,tile_n,tile_k", [
+    (64, 896, 1152, 64, 128),   # K a multiple of 128: 128-column K steps
+    (1, 4096, 4096, 64, 128),
+    (64, 960, 1152, 64, 64),    # K = 15 x 64: 64-column steps
+    (64, 896, 9728, 128, 64),   # past one wave of 64-wide tiles: 64-column steps
+])
+def test_decode_tiles_take_wide_k_steps_where_k_allows(m, k, n, tile_n, tile_k):
+  """At decode M the 64-wide tiles step 128 K columns where K is a multiple of 128 (the
+  same k16 instructions in the same order; tests/gemm/test_det_matmul_gpu.py checks the
+  bits): the traced loop runs that step and the kernel builds for CUDA."""
+  cfg = gemm_mosaic.default_config(m, n, k)
+  assert (cfg.cta_tile_n, cfg.tile_k) == (tile_n, tile_k), cfg
+  fn = jax.jit(lambda a, b: gemm_mosaic.matmul(a, b, lhs_transposed=False,
+                                               rhs_transposed=False, out_dtype=jnp.bfloat16))
+  args = (S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16))
+  (traced,) = _traced_loops(fn, *args)
+  assert (traced.tile_n, traced.tile_k) == (cfg.tile_n, tile_k)
+  jax.export.export(fn, platforms=["cuda"])(*args)
+
+
+def test_k_steps_off_the_contract_tile_are_refused_by_name():
+  """A K step that is not a multiple of the 64-column tile, one that does not divide K, a
+  wide step in a chunk tree, and a tile narrower than one 128-byte swizzle row under a
+  transposed lhs are refused, each naming what is wrong."""
+  a, b = jnp.zeros((64, 512), jnp.bfloat16), jnp.zeros((512, 256), jnp.bfloat16)
+  kw = dict(lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.bfloat16)
+  cfg = gemm_mosaic.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n")
+  with pytest.raises(ValueError, match=r"tile_k \(96\) must be a positive multiple of 64"):
+    dataclasses.replace(cfg, tile_k=96)
+  with pytest.raises(ValueError, match="K=512 is not a multiple of the config's K step 384"):
+    gemm_mosaic.matmul(a, b, **kw, config=dataclasses.replace(cfg, tile_k=384))
+  with pytest.raises(ValueError, match="a CTA tile of 32 columns .* needs a plain"):
+    jax.jit(lambda a, b: gemm_mosaic.matmul(
+        a, b, lhs_transposed=True, rhs_transposed=False, out_dtype=jnp.float32,
+        config=dataclasses.replace(cfg, tile_n=32))).trace(a.T, b)
+  with pytest.raises(ValueError, match="64 for a chunk tree"):
+    jax.jit(lambda a, b: gemm_mosaic.matmul(
+        a, b, **kw, chunks=2, config=dataclasses.replace(cfg, tile_k=128))).trace(a, b)
 
 
 @pytest.mark.parametrize("m,n,groups,cta", [
