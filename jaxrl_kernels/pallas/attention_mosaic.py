@@ -346,6 +346,12 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
     stages = STAGES
   if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
     raise ValueError(f"causal_attention(mosaic): stages must be an int >= 1, got {stages!r}")
+  if stages < 2 and wgs > lanes:
+    # Two warpgroups on one ring (a block of more than BLOCK_Q rows, ping-pong): each waits
+    # for the next tile before it releases V of this one, and with one slot the next K
+    # load waits for the other warpgroup, which waits on the schedule barrier: a deadlock.
+    raise ValueError(f"causal_attention(mosaic): stages must be at least 2 when two warpgroups "
+                     f"share one K/V ring ({tq} query rows, more than {BLOCK_Q}), got {stages}")
   need = smem_bytes(d, q.dtype.itemsize, wgs=wgs, lanes=lanes, stages=stages)
   if need > SMEM_BYTES:
     raise ValueError(f"causal_attention(mosaic): stages = {stages} needs {need} bytes of shared "

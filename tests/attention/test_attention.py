@@ -422,8 +422,9 @@ def test_mosaic_ring_depths_lower_for_cuda(b, tq, d, stages, heads_major):
 
 
 def test_mosaic_ring_depth_is_checked():
-  """``stages`` must be an int >= 1 whose rings fit in shared memory: refused by name
-  before any kernel is built. The default fits every supported shape."""
+  """``stages`` must be an int >= 1 whose rings fit in shared memory, and at least 2 where
+  two warpgroups share a ring: refused by name before any kernel is built. The default fits
+  every supported shape."""
   from jaxrl_kernels.pallas import attention_mosaic as am
   q = jnp.zeros((2, 1, 4, 128), jnp.bfloat16)
   k = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
@@ -437,6 +438,9 @@ def test_mosaic_ring_depth_is_checked():
   q2 = jnp.zeros((1, 300, 4, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="stages = 3 needs 233608 bytes"):
     am.forward(q2, k[:1], k[:1], jnp.zeros((1, 300), jnp.int32), kvl[:1], scale=1.0, stages=3)
+  # One stage under two warpgroups sharing a ring deadlocks (it hung on an H100): refused.
+  with pytest.raises(ValueError, match="at least 2 when two warpgroups share one K/V ring"):
+    am.forward(q2, k[:1], k[:1], jnp.zeros((1, 300), jnp.int32), kvl[:1], scale=1.0, stages=1)
   for d in am.HEAD_DIMS:
     for wgs, lanes in ((2, 1), (1, 1)) + (((2, 2),) if d <= am.LANES_MAX_D else ()):
       assert am.smem_bytes(d, 2, wgs=wgs, lanes=lanes, stages=am.STAGES) <= am.SMEM_BYTES
