@@ -22,6 +22,42 @@ def pipelined_ms(fn, arg_sets, calls: int) -> float:
   return (time.perf_counter() - t0) * 1e3 / calls
 
 
+def head_sweep(description: str, measure, table, *, rows: str, hidden: str, hbm: float,
+               title: str, caption: str) -> None:
+  """The LM-head benchmarks' command line: ``measure(t, hidden, vocab, calls=,
+  implementation=)`` at every ``--hidden`` x ``--rows`` shape, then ``# {title}: {device}``,
+  the ``caption`` (formatted with ``calls`` and ``hbm``) and ``table(rows, hbm)``, printed and
+  written to ``--out``. ``rows``, ``hidden``, ``hbm``: the defaults of those flags."""
+  import argparse
+  import datetime
+
+  ap = argparse.ArgumentParser(description=description)
+  ap.add_argument("--rows", default=rows, help="comma-separated T")
+  ap.add_argument("--hidden", default=hidden, help="comma-separated H")
+  ap.add_argument("--vocab", type=int, default=151936)
+  ap.add_argument("--calls", type=int, default=50, help="calls enqueued per timing")
+  ap.add_argument("--implementation", default=None,
+                  help="linear_logp implementation of our paths (default: by device)")
+  ap.add_argument("--hbm", type=float, default=hbm, help="HBM TB/s of the floor column")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+  results = []
+  for h in (int(x) for x in args.hidden.split(",")):
+    for t in (int(x) for x in args.rows.split(",")):
+      results.append(measure(t, h, args.vocab, calls=args.calls,
+                             implementation=args.implementation))
+      print(results[-1], flush=True)
+  dev = jax.devices()[0]
+  lines = [f"# {title}: {getattr(dev, 'device_kind', dev.platform)}", "",
+           f"jax {jax.__version__}; {datetime.date.today()}; "
+           + caption.format(calls=args.calls, hbm=args.hbm), "", *table(results, args.hbm)]
+  text = "\n".join(lines) + "\n"
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+
+
 def copies_for(nbytes: int, cap: int = 8) -> int:
   """How many copies of an operand of ``nbytes`` to rotate through (>= 3x the L2)."""
   return max(1, min(cap, -(-3 * L2_BYTES // max(nbytes, 1))))

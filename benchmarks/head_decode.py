@@ -23,8 +23,6 @@ ours (>= 0.95 is the target). The floor is the weight read plus the logits write
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import sys
 
@@ -37,7 +35,7 @@ from jaxrl_kernels.nn import head_logits, logp_from_stats
 from jaxrl_kernels.nn.lm_head import head_logits_partials
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import pipelined_ms  # noqa: E402
+from _timing import head_sweep, pipelined_ms  # noqa: E402
 
 
 def _ours(implementation):
@@ -99,32 +97,10 @@ def table(rows: list[dict], hbm_tbs: float) -> list[str]:
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--rows", default="1,8,64,256", help="comma-separated T")
-  ap.add_argument("--hidden", default="896,4096", help="comma-separated H")
-  ap.add_argument("--vocab", type=int, default=151936)
-  ap.add_argument("--calls", type=int, default=50, help="calls enqueued per timing")
-  ap.add_argument("--implementation", default=None,
-                  help="linear_logp implementation of our path (default: by device)")
-  ap.add_argument("--hbm", type=float, default=3.0, help="HBM TB/s of the floor column")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args()
-  rows = []
-  for hidden in (int(x) for x in args.hidden.split(",")):
-    for t in (int(x) for x in args.rows.split(",")):
-      rows.append(measure(t, hidden, args.vocab, calls=args.calls,
-                          implementation=args.implementation))
-      print(rows[-1], flush=True)
-  dev = jax.devices()[0]
-  lines = [f"# LM-head decode step: {getattr(dev, 'device_kind', dev.platform)}", "",
-           f"jax {jax.__version__}; {datetime.date.today()}; bf16 hidden and weight, float32 "
-           f"logits; {args.calls} calls pipelined per timing; floor = weight read + logits "
-           f"write at {args.hbm} TB/s.", "", *table(rows, args.hbm)]
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  head_sweep(__doc__.splitlines()[0], measure, table, rows="1,8,64,256", hidden="896,4096",
+             hbm=3.0, title="LM-head decode step",
+             caption="bf16 hidden and weight, float32 logits; {calls} calls pipelined per "
+                     "timing; floor = weight read + logits write at {hbm} TB/s.")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ weight read at ``--hbm`` TB/s.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import sys
 
@@ -43,7 +41,7 @@ from jaxrl_kernels.pallas import draw
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import pipelined_ms  # noqa: E402
+from _timing import head_sweep, pipelined_ms  # noqa: E402
 
 
 def _head_draw(implementation):
@@ -102,32 +100,10 @@ def table(rows: list[dict], hbm_tbs: float) -> list[str]:
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--rows", default="64,256", help="comma-separated T")
-  ap.add_argument("--hidden", default="896,1536,2048", help="comma-separated H")
-  ap.add_argument("--vocab", type=int, default=151936)
-  ap.add_argument("--calls", type=int, default=50, help="calls enqueued per timing")
-  ap.add_argument("--implementation", default=None,
-                  help="linear_logp implementation of our paths (default: by device)")
-  ap.add_argument("--hbm", type=float, default=3.35, help="HBM TB/s of the floor column")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args()
-  rows = []
-  for hidden in (int(x) for x in args.hidden.split(",")):
-    for t in (int(x) for x in args.rows.split(",")):
-      rows.append(measure(t, hidden, args.vocab, calls=args.calls,
-                          implementation=args.implementation))
-      print(rows[-1], flush=True)
-  dev = jax.devices()[0]
-  lines = [f"# LM-head draw per sampler step: {getattr(dev, 'device_kind', dev.platform)}", "",
-           f"jax {jax.__version__}; {datetime.date.today()}; bf16 hidden and weight; "
-           f"{args.calls} calls pipelined per timing; floor = the weight read at {args.hbm} "
-           "TB/s.", "", *table(rows, args.hbm)]
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  head_sweep(__doc__.splitlines()[0], measure, table, rows="64,256", hidden="896,1536,2048",
+             hbm=3.35, title="LM-head draw per sampler step",
+             caption="bf16 hidden and weight; {calls} calls pipelined per timing; floor = the "
+                     "weight read at {hbm} TB/s.")
 
 
 if __name__ == "__main__":
