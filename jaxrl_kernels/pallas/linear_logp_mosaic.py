@@ -1,13 +1,13 @@
 """Fused LM-head forward for Hopper in Pallas Mosaic GPU: wgmma logits, softmax-partials epilogue.
 
 The main loop is ``gemm_mosaic``'s (:func:`mosaic_loop.persistent_matmul`:
-persistent grid, one TMA memory warpgroup and two wgmma compute warpgroups,
-``TILE_K = 64`` ascending over H); its epilogue here computes the
-per-vocab-tile partials of :func:`linear_logp_fwd.tile_partials` instead of
-storing the tile. A CTA owns ``tile_m`` token rows and two vocab tiles (``2 *
-VOCAB_TILE`` columns); compute warpgroup ``g`` holds the float32 accumulator
-of vocab tile ``2 n + g`` (``[tile_m, VOCAB_TILE]``, wgmma register layout)
-and reduces it, ``EPI_ROWS`` rows at a time, with :func:`tile_epilogue`:
+persistent grid, one TMA memory warpgroup and ``num_wgs`` (two by default) wgmma
+compute warpgroups, ``TILE_K = 64`` ascending over H); its epilogue here computes
+the per-vocab-tile partials of :func:`linear_logp_fwd.tile_partials` instead of
+storing the tile. A CTA owns ``tile_m`` token rows and ``num_wgs`` vocab tiles
+(``num_wgs * VOCAB_TILE`` columns); compute warpgroup ``g`` holds the float32
+accumulator of vocab tile ``num_wgs n + g`` (``[tile_m, VOCAB_TILE]``, wgmma register
+layout) and reduces it, ``EPI_ROWS`` rows at a time, with :func:`tile_epilogue`:
 
     z   = (acc + b) / temperature,  -inf on columns >= valid_vocab
     m   = max_v z_v,  s = sum_v exp(z_v - m),  u = sum_v exp(z_v - m) (z_v - m)
@@ -62,8 +62,6 @@ TILE_K = contract.GEMM_TILE_K
 VOCAB_TILE = contract.VOCAB_TILE
 # Rows reduced at once by tile_epilogue (see contract.EPI_ROWS); both kernels use it.
 EPI_ROWS = contract.EPI_ROWS
-_NUM_WGS = 2  # compute warpgroups: one vocab tile each
-_CTA_N = _NUM_WGS * VOCAB_TILE
 # Row statistics leave the kernels as [EPI_ROWS, PACK] float32 arrays in the wgmma layout
 # (a 2-D store; storing the [EPI_ROWS] row vectors to shared memory directly gave wrong
 # rows on jax 0.11.2): columns 4 c .. 4 c + 3 hold (m, s, u, tz) of the c-th 64-row chunk
@@ -81,18 +79,30 @@ class MosaicLogpConfig:
     max_concurrent_steps: TMA pipeline depth (lowered to fit shared memory).
     grid_minor: the faster index of the persistent CTA walk ("m" or "n").
     grid_tile_width: band width of the snake walk (L2 reuse).
+    num_wgs: compute warpgroups per CTA (1 or 2), one vocab tile each: each vocab tile's
+      logits and statistics are one warpgroup's whatever the CTA holds.
   """
 
   tile_m: int = 128
   max_concurrent_steps: int = 4
   grid_minor: str = "m"
   grid_tile_width: int = 8
+  num_wgs: int = 2
+
+  def __post_init__(self):
+    if self.num_wgs not in (1, 2):
+      raise ValueError(f"MosaicLogpConfig: num_wgs must be 1 or 2, got {self.num_wgs!r}")
+
+  @property
+  def cta_n(self) -> int:
+    """The CTA's vocabulary columns: ``num_wgs`` vocab tiles."""
+    return self.num_wgs * VOCAB_TILE
 
   @property
   def loop(self) -> mosaic_loop.LoopConfig:
-    """The main loop: ``_NUM_WGS`` compute warpgroups side by side in N, one vocab tile each."""
+    """The main loop: ``num_wgs`` compute warpgroups side by side in N, one vocab tile each."""
     return mosaic_loop.LoopConfig(
-        tile_m=self.tile_m, tile_n=VOCAB_TILE, num_compute_wgs=_NUM_WGS, wg_split="n",
+        tile_m=self.tile_m, tile_n=VOCAB_TILE, num_compute_wgs=self.num_wgs, wg_split="n",
         max_concurrent_steps=self.max_concurrent_steps, grid_minor=self.grid_minor,
         grid_tile_width=self.grid_tile_width)
 
@@ -173,9 +183,9 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
   pack = DRAW_PACK if draws else PACK
   scratch = {}
   if store_logits:
-    scratch["z_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, VOCAB_TILE), jnp.float32)
+    scratch["z_smem"] = plgpu.SMEM((cfg.num_wgs, EPI_ROWS, VOCAB_TILE), jnp.float32)
   if stats:
-    scratch["out_smem"] = plgpu.SMEM((_NUM_WGS, EPI_ROWS, pack), jnp.float32)
+    scratch["out_smem"] = plgpu.SMEM((cfg.num_wgs, EPI_ROWS, pack), jnp.float32)
 
   def partials(acc, tile: mosaic_loop.Tile, vec_smem, bufs):
     """Reduces the warpgroup's [tm, VOCAB_TILE] logits tile to packed row statistics,
@@ -214,7 +224,7 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
     if stats:
       out_smem[wg] = packed
       plgpu.commit_smem()
-      vocab_tile = tile.ni * _NUM_WGS + wg
+      vocab_tile = tile.ni * cfg.num_wgs + wg
       plgpu.copy_smem_to_gmem(out_smem.at[wg],
                               outs[0].at[vocab_tile, pl.ds(tile.mi * EPI_ROWS, EPI_ROWS), :])
 
@@ -226,13 +236,14 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
 def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
          stats: bool, draws: bool = False) -> MosaicLogpConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
-  extra = 2 * _NUM_WGS * VOCAB_TILE * 4  # bias and temperature rows
+  wgs = cfg.num_wgs
+  extra = 2 * wgs * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
-    extra += _NUM_WGS * EPI_ROWS * VOCAB_TILE * 4
+    extra += wgs * EPI_ROWS * VOCAB_TILE * 4
   if stats:  # the rows' target ids and the packed statistics' staging tile
-    extra += _NUM_WGS * (cfg.tile_m + EPI_ROWS * PACK) * 4
+    extra += wgs * (cfg.tile_m + EPI_ROWS * PACK) * 4
   if draws:  # the rows' two key words, and the packed draw's wider statistics
-    extra += _NUM_WGS * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
+    extra += wgs * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
   steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra)
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
@@ -242,7 +253,7 @@ def supported(compute_dtype) -> bool:
   return jnp.dtype(compute_dtype).name in ("bfloat16", "float16")
 
 
-def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
+def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: int):
   """Casts to the compute dtype and zero-pads what TMA tiling cannot take (see module doc).
 
   Returns ``(hidden, weight, bias_f32_or_None, m_run, n_run)``.
@@ -254,7 +265,7 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int):
   weight = weight.astype(compute_dtype)
   h_run = _common.round_up(h, TILE_K)
   m_run = max(tm, _common.round_up(t, 8))
-  n_run = max(_CTA_N, _common.round_up(v, 64 if hv else 8))
+  n_run = max(cta_n, _common.round_up(v, 64 if hv else 8))
   if (m_run, h_run) != (t, h):
     hidden = jnp.pad(hidden, ((0, m_run - t), (0, h_run - h)))
   if (n_run, h_run) != (v, h):
@@ -307,9 +318,10 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   itemsize = jnp.dtype(compute_dtype).itemsize
   cfg = _fit(cfg, itemsize, store_logits=False, stats=True)
-  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
+  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
+                                      cfg.tile_m, cfg.cta_n)
   tg = jnp.pad(targets.astype(jnp.int32) - jnp.int32(vocab_offset), (0, m_run - t))
-  n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS  # the last CTA may hold a tile past the vocab
+  n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs  # the last CTA may hold a tile past V
   m_iters = pl.cdiv(m_run, cfg.tile_m)
   packed = _call(
       h2, w2, b2, (tg,), layout=layout, temperature=temperature,
@@ -344,14 +356,15 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)
-  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
+  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
+                                      cfg.tile_m, cfg.cta_n)
   n_out = _common.round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
   out_type = [jax.ShapeDtypeStruct((m_run, n_out), jnp.float32)]
   extra = ()
   if return_stats:
     # No row's target is in any tile (tz unused): the same epilogue code as tile_partials.
     extra = (jnp.full((m_run,), -1, jnp.int32),)
-    n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS
+    n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs
     m_iters = pl.cdiv(m_run, cfg.tile_m)
     out_type.append(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32))
   outs = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
@@ -394,10 +407,11 @@ def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=False, stats=True,
              draws=True)
-  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype, cfg.tile_m)
+  h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
+                                      cfg.tile_m, cfg.cta_n)
   k1, k2 = draw.row_keys(seed, jnp.arange(m_run, dtype=jnp.int32))
   extra = (jnp.full((m_run,), -1, jnp.int32), k1, k2)
-  n_pad = pl.cdiv(n_run, _CTA_N) * _NUM_WGS
+  n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs
   m_iters = pl.cdiv(m_run, cfg.tile_m)
   packed = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
                  m_run=m_run, n_run=n_run, store_logits=False, stats=True, cfg=cfg,

@@ -66,6 +66,31 @@ def test_lm_head_runs_the_shared_main_loop(layout):
         linear_logp_mosaic.VOCAB_TILE, 2, "n")
 
 
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
+  """``MosaicLogpConfig(num_wgs=1)``: CTAs of one vocab tile (one compute warpgroup) run the
+  same main loop and epilogue for the fused partials, the logits with statistics and the
+  draw, and build CUDA kernels; anything but 1 or 2 warpgroups is refused by name. Bits:
+  tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
+  h, v = 512, 3001
+  cfg = linear_logp_mosaic.MosaicLogpConfig(tile_m=64 if t <= 64 else 128, num_wgs=1)
+  assert cfg.cta_n == linear_logp_mosaic.VOCAB_TILE
+  x, w, tg = S((t, h), jnp.bfloat16), S((h, v), jnp.bfloat16), S((t,), jnp.int32)
+  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16, config=cfg)
+  fns = [(lambda x, w, tg: linear_logp_mosaic.tile_partials(x, w, None, tg, **kw), (x, w, tg)),
+         (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw), (x, w)),
+         (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
+          (x, w, S((2,), jnp.int32)))]
+  for fn, args in fns:
+    (loop,) = _traced_loops(fn, *args)
+    assert (loop.tile_n, loop.num_compute_wgs) == (linear_logp_mosaic.VOCAB_TILE, 1)
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+  for bad in (0, 3):
+    with pytest.raises(ValueError, match="num_wgs must be 1 or 2"):
+      linear_logp_mosaic.MosaicLogpConfig(num_wgs=bad)
+
+
 @pytest.mark.parametrize("m,kc,with_bias", [(300, 128, False), (64, 640, True),
                                             (1024, 608, True), (1024, 112, False)])
 def test_chunk_tree_kernel_lowers_for_cuda(m, kc, with_bias):

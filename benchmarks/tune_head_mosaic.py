@@ -1,0 +1,94 @@
+"""Sweep the Mosaic LM head's free knobs at sampler row counts; check every config's bits.
+
+The sampler's per-step head kernels on Hopper: ``linear_logp_mosaic.logits`` with in-kernel
+statistics (``head_logits_partials``'s kernel) and ``linear_logp_mosaic.logits_draw`` (the
+draw in the head), each under the library's default config and the configs below (rows per
+CTA, warpgroups per CTA, pipeline depth). Every config must give the default's bits: the
+digest of all outputs is compared. The stock column is XLA's float32 logits +
+``log_softmax`` at the same shape; the floor is the weight read at ``--hbm`` TB/s. Times are
+CUPTI kernel time (``_timing.device_ms``); the weight (>= 229 MB at V = 151936, H >= 768) is
+larger than the L2.
+
+    PYTHONPATH=$PWD python benchmarks/tune_head_mosaic.py [--rows 1,8,64,256] [--hidden 896,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels.pallas import draw
+from jaxrl_kernels.pallas import linear_logp_mosaic as lm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import device_ms  # noqa: E402
+
+C = lm.MosaicLogpConfig
+# Rows per CTA x warpgroups per CTA (one vocab tile each) x pipeline depth.
+CONFIGS = [
+    C(tile_m=64, num_wgs=2, max_concurrent_steps=4),
+    C(tile_m=64, num_wgs=1, max_concurrent_steps=4),
+    C(tile_m=64, num_wgs=1, max_concurrent_steps=8),
+    C(tile_m=128, num_wgs=2, max_concurrent_steps=4),
+    C(tile_m=128, num_wgs=1, max_concurrent_steps=6),
+]
+
+
+def _digest(tree) -> str:
+  h = hashlib.sha1()
+  for leaf in jax.tree.leaves(tree):
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()[:12]
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rows", default="1,8,64,256", help="comma-separated T")
+  ap.add_argument("--hidden", default="896,4096", help="comma-separated H")
+  ap.add_argument("--vocab", type=int, default=151936)
+  ap.add_argument("--hbm", type=float, default=3.35, help="HBM TB/s of the floor column")
+  args = ap.parse_args()
+  kw = dict(layout="hv", temperature=1.0, compute_dtype=jnp.bfloat16)
+  seed = draw.seed_words(jax.random.key(3))
+  print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; V = {args.vocab}; us per call")
+  for hidden in (int(x) for x in args.hidden.split(",")):
+    w = (jax.random.normal(jax.random.key(0), (hidden, args.vocab), jnp.float32)
+         * 0.02).astype(jnp.bfloat16)
+    floor_us = hidden * args.vocab * 2 / (args.hbm * 1e12) * 1e6
+    for t in (int(x) for x in args.rows.split(",")):
+      x = jax.random.normal(jax.random.key(t), (t, hidden), jnp.bfloat16)
+      stock = jax.jit(lambda x, w: jax.nn.log_softmax(
+          jnp.dot(x, w, preferred_element_type=jnp.float32), axis=-1))
+      stock_us = device_ms(stock, x, w) * 1e3
+      print(f"== T={t} H={hidden}: stock logits + log_softmax {stock_us:.1f} us, "
+            f"floor {floor_us:.1f} us", flush=True)
+      for kind in ("logits", "draw"):
+        if kind == "logits":
+          def run(x, w, cfg):
+            return lm.logits(x, w, None, return_stats=True, config=cfg, **kw)
+        else:
+          def run(x, w, cfg):
+            return lm.logits_draw(x, w, None, seed, config=cfg, **kw)
+        default = jax.jit(lambda x, w, run=run: run(x, w, None))
+        want = _digest(default(x, w))
+        us = device_ms(default, x, w) * 1e3
+        print(f"  {kind:6s} default  {us:8.1f} us  stock/this {stock_us / us:5.2f}x", flush=True)
+        for cfg in CONFIGS:
+          try:
+            f = jax.jit(lambda x, w, cfg=cfg, run=run: run(x, w, cfg))
+            same = _digest(f(x, w)) == want
+            us = device_ms(f, x, w) * 1e3
+            print(f"  {kind:6s} {us:8.1f} us  stock/this {stock_us / us:5.2f}x  "
+                  f"bits={'same' if same else 'DIFFERENT'}  {cfg}", flush=True)
+          except Exception as e:  # noqa: BLE001 - a sweep report
+            print(f"  {kind:6s} FAIL {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
