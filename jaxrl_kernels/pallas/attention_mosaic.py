@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import contract
-from jaxrl_kernels.pallas._common import DEFAULT_NUM_SMS, LOG2E, cdiv, round_up
+from jaxrl_kernels.pallas._common import DEFAULT_NUM_SMS, LOG2E, cdiv, num_sms, round_up
 
 # The contract's constants: query rows per compute warpgroup (the wgmma M),
 # and the key tile walked in ascending order from key 0. A decode step runs a
@@ -127,18 +127,22 @@ def lanes_for(rows: int, bsz: int, heads: int, d: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref, smem, loaded,
             consumed, schedule, *, n_qblocks, group, d, scale2, wgs, lanes, heads_major,
-            stages):
+            stages, items=None):
   # lanes == 1: the CTA's warpgroups share one batch entry's K/V tiles (one ring) and, with
   # two, ping-pong through the schedule barrier. lanes == wgs: warpgroup w works alone on
   # batch entry (CTA index * lanes + w) through its own ring ``[w * stages, (w + 1) * stages)``.
+  # items (persistent CTAs, decode only: one query block, wgs == lanes): the CTA walks work
+  # items cta, cta + n_cta, ... (item = batch group * heads + head: heads fastest), each
+  # warpgroup's ring and barriers continuing from one item to the next.
   qo_smem2, k_smem, v_smem, last_smem2, lse_smem2 = smem
   k_loaded, v_loaded, q_loaded, last_loaded = loaded
   k_free, v_free = consumed
   dtype = q_ref.dtype
-  b0 = lax.axis_index("batch") * lanes
-  h = lax.axis_index("heads")
-  # Heaviest (highest) query blocks first: causal work grows with the index.
-  qb = n_qblocks - 1 - lax.axis_index("q_seq")
+  if items is None:
+    b0 = lax.axis_index("batch") * lanes
+    h = lax.axis_index("heads")
+    # Heaviest (highest) query blocks first: causal work grows with the index.
+    qb = n_qblocks - 1 - lax.axis_index("q_seq")
   wg = lax.axis_index("wg")
   coupled = lanes == 1  # warpgroups share the tiles and the schedule barrier
 
@@ -147,9 +151,12 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(schedule)
 
-  @pl.when(wg < wgs)
-  def _compute_wg():
-    plgpu.set_max_registers(232, action="increase")
+  def ring_slot(ring, t, done):
+    # The ring slot of the item's key tile t; ``done``: the tiles this warpgroup's ring held
+    # before the item (persistent CTAs), None for a CTA of one item.
+    return ring + lax.rem(t if done is None else done + t, jnp.int32(stages))
+
+  def compute_item(b0, h, qb, done):
     lane = 0 if coupled else wg
     b = b0 + lane
     ring = lane * stages  # this lane's first slot of the K/V ring and its barriers
@@ -171,14 +178,14 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
     @pl.when(n_tiles > 0)
     def _():
-      plgpu.barrier_wait(k_loaded.at[ring])
+      plgpu.barrier_wait(k_loaded.at[ring if done is None else ring_slot(ring, 0, done)])
 
     if coupled:
       pl.when(wg == 1)(schedule_sync)
 
     def tile(t, carry):
       acc, m, den = carry
-      slot = ring + lax.rem(t, jnp.int32(stages))
+      slot = ring_slot(ring, t, done)
       key0 = t * KEY_TILE
       clean = key0 + KEY_TILE <= kv_len
 
@@ -230,7 +237,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
 
         @pl.when(nxt < n_tiles)
         def _():
-          plgpu.barrier_wait(k_loaded.at[ring + lax.rem(nxt, jnp.int32(stages))])
+          plgpu.barrier_wait(k_loaded.at[ring_slot(ring, nxt, done)])
 
       acc_new = pl.run_state(pv)(plgpu.ACC.init(acc_scaled))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -255,13 +262,42 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)])
-    plgpu.wait_smem_to_gmem(0)
+    # The next item's loads reuse the staging buffers: they need the stores' reads only.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=done is not None)
+    return n_tiles
 
-  @pl.when(wg == wgs)
-  def _memory_wg():
-    plgpu.set_max_registers(40, action="decrease")
+  def stream_item(b0, h, qb, loaded_before):
     hk = lax.div(h, jnp.int32(group))
     counts = [ntiles_ref[b0 + lane, qb] for lane in range(lanes)]
+
+    if loaded_before is not None:
+      # Persistent CTAs: lane tile n of the CTA's life (``loaded_before[lane]`` + t) reuses
+      # the slot of tile n - stages, so it waits for that one's release once n >= stages.
+      # The lanes' loads interleave, one tile each per step, as below.
+      def step_loads(t, lane):
+        n = loaded_before[lane] + t
+        slot = lane * stages + lax.rem(n, jnp.int32(stages))
+        window = (b0 + lane, pl.ds(t * KEY_TILE, KEY_TILE), hk)
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
+
+      @pl.loop(0, functools.reduce(jnp.maximum, counts))
+      def _(t):
+        for lane in range(lanes):
+          if lanes == 1:
+            step_loads(t, lane)
+          else:
+            pl.when(t < counts[lane])(functools.partial(step_loads, t, lane))
+
+      return [loaded_before[lane] + counts[lane] for lane in range(lanes)]
 
     # Fill each lane's ring. A loop, not a Python unroll: tile starts stay traced
     # values, so a tile that reaches past S is a TMA zero-fill at run time rather
@@ -291,6 +327,37 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
         return
       for lane in range(lanes):
         pl.when(step < counts[lane] - stages)(functools.partial(refill, step, lane))
+    return None
+
+  def walk(body, carry):
+    """``body(b0, h, qb, carry) -> carry`` over this persistent CTA's items, in order."""
+    cta, n_cta = lax.axis_index("cta"), lax.axis_size("cta")
+    hq = items[1]
+
+    def one(j, carry):
+      item = cta + j * n_cta
+      return body(lax.div(item, jnp.int32(hq)) * lanes, lax.rem(item, jnp.int32(hq)), 0,
+                  carry)
+
+    return lax.fori_loop(0, lax.div(items[0] - cta + n_cta - 1, n_cta), one, carry)
+
+  @pl.when(wg < wgs)
+  def _compute_wg():
+    plgpu.set_max_registers(232, action="increase")
+    if items is None:
+      compute_item(b0, h, qb, None)
+    else:
+      walk(lambda b0, h, qb, done: done + compute_item(b0, h, qb, done), jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _memory_wg():
+    plgpu.set_max_registers(40, action="decrease")
+    if items is None:
+      stream_item(b0, h, qb, None)
+    else:
+      walk(lambda b0, h, qb, loaded: stream_item(b0, h, qb, loaded),
+           [jnp.int32(0)] * lanes)
 
 
 def smem_bytes(d: int, itemsize: int, *, wgs: int, lanes: int, stages: int) -> int:
@@ -305,7 +372,7 @@ def smem_bytes(d: int, itemsize: int, *, wgs: int, lanes: int, stages: int) -> i
 
 
 def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None = None,
-            heads_major: bool = False, stages: int | None = None):
+            heads_major: bool = False, stages: int | None = None, persistent: bool = False):
   """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
 
   Exactly the contract and residual format of ``attention_triton.forward``:
@@ -315,7 +382,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   per CTA, 1 or 2 for at most ``BLOCK_Q`` rows; default :func:`lanes_for`) is a free
   knob, exposed for the tests that compare its values. ``stages`` (the depth of each K/V
   ring, default ``STAGES``) is another: the tiles are the same, only how many are loaded
-  ahead changes.
+  ahead changes. So is ``persistent`` (decode steps only, at most ``BLOCK_Q`` rows): one CTA
+  per SM walks the (batch entry group, head) items in turn, heads fastest, each item the
+  instructions of its own CTA, its ring continuing from the item before.
 
   ``heads_major``: ``q`` is ``[B, Hq, Tq, D]`` and the output is returned so (the
   logsumexp keeps its layout). A free layout knob: each CTA copies the same rows into
@@ -340,6 +409,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
     raise ValueError(f"causal_attention(mosaic): lanes must be 1, or {NUM_COMPUTE_WGS} for at "
                      f"most {BLOCK_Q} query rows and D <= {LANES_MAX_D} (two K/V rings in shared "
                      f"memory), got {lanes} for {tq} rows at D = {d}")
+  if persistent and wgs > 1:
+    raise ValueError(f"causal_attention(mosaic): persistent CTAs take decode steps (at most "
+                     f"{BLOCK_Q} query rows after the GQA fold), got {tq} rows")
   cta_rows = wgs * BLOCK_Q
   wgs = max(wgs, lanes)
   if stages is None:
@@ -391,6 +463,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
     kv_len = jnp.pad(kv_len, (0, extra))
 
   smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  n_items = bsz_pad // lanes * hq  # a persistent CTA's work items: (batch group, head)
 
   def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
     scratch = (
@@ -408,21 +481,25 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
     schedule = plgpu.Barrier(num_arrivals=wgs)
     kernel = functools.partial(_kernel, n_qblocks=n_qblocks, group=hq // hkv, d=d,
                                scale2=scale * LOG2E, wgs=wgs, lanes=lanes,
-                               heads_major=heads_major, stages=stages)
+                               heads_major=heads_major, stages=stages,
+                               **({"items": (n_items, hq)} if persistent else {}))
     pl.run_scoped(
         lambda *scoped: kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref,
                                lse_ref, *scoped),
         scratch, loaded, consumed, schedule, collective_axes="wg")
 
+  if persistent:  # one CTA per SM (at most one per item), walking the items heads fastest
+    grid = dict(grid=(min(n_items, num_sms()),), grid_names=("cta",))
+  else:
+    # The last grid axis is CUDA's x, the fastest in launch order: the heads of one batch
+    # entry run side by side, reading the interleaved K/V rows of one cache region.
+    grid = dict(grid=(bsz_pad // lanes, n_qblocks, hq), grid_names=("batch", "q_seq", "heads"))
   out, lse = plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct(
           (bsz_pad, hq, tq_q, d) if heads_major else (bsz_pad, tq_q, hq, d), q.dtype),
                 jax.ShapeDtypeStruct((bsz_pad, hq, tq_pad), jnp.float32)),
-      # The last grid axis is CUDA's x, the fastest in launch order: the heads of one batch
-      # entry run side by side, reading the interleaved K/V rows of one cache region.
-      grid=(bsz_pad // lanes, n_qblocks, hq),
-      grid_names=("batch", "q_seq", "heads"),
+      **grid,
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -421,6 +421,30 @@ def test_mosaic_ring_depths_lower_for_cuda(b, tq, d, stages, heads_major):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("b,tq,d,lanes,stages", [(161, 4, 64, 2, 2), (150, 1, 128, 1, 1),
+                                                  (3, 8, 64, 1, 3)])
+def test_mosaic_persistent_decode_lowers_for_cuda(b, tq, d, lanes, stages):
+  """Persistent decode CTAs (``forward(persistent=True)``: one CTA per SM walking the (batch
+  group, head) items) lower for CUDA with one and two lanes and 1-3 stages; a prefill block
+  (more than 64 rows after the GQA fold) is refused by name. Bits:
+  test_attention_mosaic_gpu.py::test_persistent_ctas_keep_the_bits."""
+  from jaxrl_kernels.pallas import attention_mosaic
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, 8, tq, d), bf16), sd((b, 1000, 2, d), bf16), sd((b, 1000, 2, d), bf16),
+          sd((b, tq), i32), sd((b,), i32))
+  fn = jax.jit(functools.partial(attention_mosaic.forward, scale=d ** -0.5, heads_major=True,
+                                 lanes=lanes, stages=stages, persistent=True))
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert [a.shape for a in exported.out_avals] == [(b, 8, tq, d), (b, 8, tq)]
+  assert "mosaic_gpu" in exported.mlir_module()
+  q = jnp.zeros((1, 300, 4, 64), bf16)
+  k = jnp.zeros((1, 512, 4, 64), bf16)
+  with pytest.raises(ValueError, match="persistent CTAs take decode steps"):
+    attention_mosaic.forward(q, k, k, jnp.zeros((1, 300), i32), jnp.ones((1,), i32),
+                             scale=1.0, persistent=True)
+
+
 def test_mosaic_ring_depth_is_checked():
   """``stages`` must be an int >= 1 whose rings fit in shared memory, and at least 2 where
   two warpgroups share a ring: refused by name before any kernel is built. The default fits
