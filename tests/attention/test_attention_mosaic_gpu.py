@@ -106,29 +106,33 @@ def test_ring_depth_keeps_the_bits(tq, d, stages):
     assert_bitwise_equal(y, x, f"{name}: {stages} stages vs {attention_mosaic.STAGES}")
 
 
-@pytest.mark.parametrize("b,d,lanes,stages", [(161, 64, 2, 2), (161, 64, 1, 3),
-                                               (150, 128, 1, 1), (21, 64, 2, 1)])
-def test_persistent_ctas_keep_the_bits(b, d, lanes, stages):
+@pytest.mark.parametrize("b,d,lanes,stages,heads_major", [
+    (161, 64, 2, 2, True), (171, 64, 2, 1, True), (171, 64, 2, 3, True), (161, 64, 1, 3, True),
+    (150, 128, 1, 1, True), (150, 64, 1, 2, False), (21, 64, 2, 1, True)])
+def test_persistent_ctas_keep_the_bits(b, d, lanes, stages, heads_major):
   """Persistent decode CTAs (one per SM, each walking (batch group, head) items with its K/V
-  ring continuing across items) give the one-CTA-per-item kernel's out and lse bits:
-  heads-major decode rows, more items than SMs (batch 161 and 150: several items per CTA)
-  and fewer (batch 21 over two lanes: 88 items, an idle lane past the odd batch), an entry with no
-  key (kv_length 0) and NaN past kv_lengths, 1-3 stages."""
+  ring continuing across items) give the one-CTA-per-item kernel's out and lse bits, in two
+  calls: more items than SMs (several items per CTA: one and two lanes, 1-3 stages, an idle
+  lane past an odd batch on a later item) and fewer (batch 21 over two lanes: 88 items), both
+  query layouts, an entry with no key (kv_length 0), a full cache, and NaN past kv_lengths.
+  A synchronisation defect shows as a hang (run with --timeout) or as other bits."""
   s, hq, hkv, rows = 1000, 8, 2, 4
   ks = jax.random.split(jax.random.key(b + d + stages), 4)
-  q = jax.random.normal(ks[0], (b, hq, rows, d)).astype(jnp.bfloat16)
+  qs = (b, hq, rows, d) if heads_major else (b, rows, hq, d)
+  q = jax.random.normal(ks[0], qs).astype(jnp.bfloat16)
   k = jax.random.normal(ks[1], (b, s, hkv, d)).astype(jnp.bfloat16)
   v = jax.random.normal(ks[2], (b, s, hkv, d)).astype(jnp.bfloat16)
   kvl = jax.random.randint(ks[3], (b,), 0, s + 1).astype(jnp.int32).at[1].set(0).at[2].set(s)
   pos = jnp.maximum(kvl[:, None] - rows + jnp.arange(rows), -1).astype(jnp.int32)
   past = jnp.arange(s)[None, :, None, None] >= kvl[:, None, None, None]
   k, v = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
-  kw = dict(scale=d ** -0.5, heads_major=True, lanes=lanes, stages=stages)
+  kw = dict(scale=d ** -0.5, heads_major=heads_major, lanes=lanes, stages=stages)
   base = attention_mosaic.forward(q, k, v, pos, kvl, **kw)
-  got = attention_mosaic.forward(q, k, v, pos, kvl, persistent=True, **kw)
-  for name, x, y in zip(("out", "lse"), base, got):
-    assert np.all(np.isfinite(np.asarray(y, np.float32))), name
-    assert_bitwise_equal(y, x, f"{name}: persistent CTAs vs one CTA per item")
+  for call in range(2):
+    got = attention_mosaic.forward(q, k, v, pos, kvl, persistent=True, **kw)
+    for name, x, y in zip(("out", "lse"), base, got):
+      assert np.all(np.isfinite(np.asarray(y, np.float32))), name
+      assert_bitwise_equal(y, x, f"{name}: persistent CTAs vs one CTA per item, call {call}")
 
 
 @pytest.mark.parametrize("d", [64, 128])
