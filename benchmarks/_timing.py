@@ -58,6 +58,19 @@ def head_sweep(description: str, measure, table, *, rows: str, hidden: str, hbm:
       f.write(text)
 
 
+def bits_digest(tree) -> str:
+  """A short hash of every leaf's raw bytes: equal digests, equal bits (a sweep's check that a
+  config kept the default's bits)."""
+  import hashlib
+
+  import numpy as np
+
+  h = hashlib.sha1()
+  for leaf in jax.tree.leaves(tree):
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()[:12]
+
+
 def copies_for(nbytes: int, cap: int = 8) -> int:
   """How many copies of an operand of ``nbytes`` to rotate through (>= 3x the L2)."""
   return max(1, min(cap, -(-3 * L2_BYTES // max(nbytes, 1))))

@@ -16,29 +16,20 @@ at ``--hbm`` TB/s.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_kernels.pallas import attention_mosaic as am
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_ms  # noqa: E402
+from _timing import bits_digest, device_ms  # noqa: E402
 
 # (query heads, kv heads, head dim) of the rollout models.
 MODELS = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64), "qwen2.5-1.5b": (12, 2, 128)}
-
-
-def _digest(tree) -> str:
-  h = hashlib.sha1()
-  for leaf in jax.tree.leaves(tree):
-    h.update(np.asarray(leaf).tobytes())
-  return h.hexdigest()[:12]
 
 
 def main() -> None:
@@ -75,7 +66,7 @@ def main() -> None:
       return am.forward(q, k, v, pos, kvl, scale=scale, heads_major=True, **kw)
 
     default = jax.jit(run)
-    want = _digest(default(rows, k, v, pos, kvl))
+    want = bits_digest(default(rows, k, v, pos, kvl))
     us = device_ms(default, rows, k, v, pos, kvl) * 1e3
     print(f"  default {us:8.1f} us  {us / cudnn_us:5.2f}x cuDNN  (lanes "
           f"{am.lanes_for(group, bsz, hkv, d)}, {am.STAGES} stages)", flush=True)
@@ -86,7 +77,7 @@ def main() -> None:
       kw = dict(stages=stages, lanes=lanes, persistent=persistent)
       try:
         f = jax.jit(lambda *a, kw=kw: run(*a, **kw))
-        same = _digest(f(rows, k, v, pos, kvl)) == want
+        same = bits_digest(f(rows, k, v, pos, kvl)) == want
         us = device_ms(f, rows, k, v, pos, kvl) * 1e3
         print(f"  {us:8.1f} us  {us / cudnn_us:5.2f}x cuDNN  bits={'same' if same else 'DIFFERENT'}"
               f"  {kw}", flush=True)

@@ -15,19 +15,17 @@ larger than the L2.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_kernels.pallas import draw
 from jaxrl_kernels.pallas import linear_logp_mosaic as lm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_ms  # noqa: E402
+from _timing import bits_digest, device_ms  # noqa: E402
 
 C = lm.MosaicLogpConfig
 # Rows per CTA x warpgroups per CTA (one vocab tile each) x pipeline depth.
@@ -38,13 +36,6 @@ CONFIGS = [
     C(tile_m=128, num_wgs=2, max_concurrent_steps=4),
     C(tile_m=128, num_wgs=1, max_concurrent_steps=6),
 ]
-
-
-def _digest(tree) -> str:
-  h = hashlib.sha1()
-  for leaf in jax.tree.leaves(tree):
-    h.update(np.asarray(leaf).tobytes())
-  return h.hexdigest()[:12]
 
 
 def main() -> None:
@@ -76,13 +67,13 @@ def main() -> None:
           def run(x, w, cfg):
             return lm.logits_draw(x, w, None, seed, config=cfg, **kw)
         default = jax.jit(lambda x, w, run=run: run(x, w, None))
-        want = _digest(default(x, w))
+        want = bits_digest(default(x, w))
         us = device_ms(default, x, w) * 1e3
         print(f"  {kind:6s} default  {us:8.1f} us  stock/this {stock_us / us:5.2f}x", flush=True)
         for cfg in CONFIGS:
           try:
             f = jax.jit(lambda x, w, cfg=cfg, run=run: run(x, w, cfg))
-            same = _digest(f(x, w)) == want
+            same = bits_digest(f(x, w)) == want
             us = device_ms(f, x, w) * 1e3
             print(f"  {kind:6s} {us:8.1f} us  stock/this {stock_us / us:5.2f}x  "
                   f"bits={'same' if same else 'DIFFERENT'}  {cfg}", flush=True)
