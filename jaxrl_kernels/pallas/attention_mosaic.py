@@ -87,6 +87,8 @@ SMEM_BYTES = 227 * 1024
 HEAD_DIMS = (64, 128)
 # The widest head dim whose two decode lanes' K/V rings fit in shared memory (lanes_for).
 LANES_MAX_D = 64
+# Persistent decode CTAs by default up to this many waves of items (persistent_for).
+PERSISTENT_MAX_WAVES = 4
 DTYPES = ("bfloat16", "float16")
 
 
@@ -123,6 +125,17 @@ def lanes_for(rows: int, bsz: int, heads: int, d: int) -> int:
   if rows <= BLOCK_Q and d <= LANES_MAX_D and bsz >= 2 and bsz * heads > DEFAULT_NUM_SMS:
     return NUM_COMPUTE_WGS
   return 1
+
+
+def persistent_for(rows: int, items: int) -> bool:
+  """Whether a call of ``rows`` query rows (after the GQA fold) and ``items`` (batch group,
+  head) work items runs persistent CTAs by default: a decode step (``rows <= BLOCK_Q``)
+  whose items fill more than one wave of CTAs and at most ``PERSISTENT_MAX_WAVES``. There
+  one CTA per SM walking the items saves each later item's launch and ring fill (2-7% of
+  the decode step at 512-1536 keys on the H100, ``benchmarks/results/attention_h100.md``);
+  past four waves the measured gain is nil. A free knob: each item runs its own CTA's
+  instructions (``tests/attention/test_attention_mosaic_gpu.py`` compares the two)."""
+  return rows <= BLOCK_Q and DEFAULT_NUM_SMS < items <= PERSISTENT_MAX_WAVES * DEFAULT_NUM_SMS
 
 
 def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref, smem, loaded,
@@ -372,7 +385,7 @@ def smem_bytes(d: int, itemsize: int, *, wgs: int, lanes: int, stages: int) -> i
 
 
 def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None = None,
-            heads_major: bool = False, stages: int | None = None, persistent: bool = False):
+            heads_major: bool = False, stages: int | None = None, persistent: bool | None = None):
   """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
 
   Exactly the contract and residual format of ``attention_triton.forward``:
@@ -382,9 +395,10 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   per CTA, 1 or 2 for at most ``BLOCK_Q`` rows; default :func:`lanes_for`) is a free
   knob, exposed for the tests that compare its values. ``stages`` (the depth of each K/V
   ring, default ``STAGES``) is another: the tiles are the same, only how many are loaded
-  ahead changes. So is ``persistent`` (decode steps only, at most ``BLOCK_Q`` rows): one CTA
-  per SM walks the (batch entry group, head) items in turn, heads fastest, each item the
-  instructions of its own CTA, its ring continuing from the item before.
+  ahead changes. So is ``persistent`` (decode steps only, at most ``BLOCK_Q`` rows; default
+  :func:`persistent_for`): one CTA per SM walks the (batch entry group, head) items in turn,
+  heads fastest, each item the instructions of its own CTA, its ring continuing from the
+  item before.
 
   ``heads_major``: ``q`` is ``[B, Hq, Tq, D]`` and the output is returned so (the
   logsumexp keeps its layout). A free layout knob: each CTA copies the same rows into
@@ -409,6 +423,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
     raise ValueError(f"causal_attention(mosaic): lanes must be 1, or {NUM_COMPUTE_WGS} for at "
                      f"most {BLOCK_Q} query rows and D <= {LANES_MAX_D} (two K/V rings in shared "
                      f"memory), got {lanes} for {tq} rows at D = {d}")
+  if persistent is not None and not isinstance(persistent, bool):
+    raise ValueError(f"causal_attention(mosaic): persistent must be a bool or None, got "
+                     f"{persistent!r}")
   if persistent and wgs > 1:
     raise ValueError(f"causal_attention(mosaic): persistent CTAs take decode steps (at most "
                      f"{BLOCK_Q} query rows after the GQA fold), got {tq} rows")
@@ -464,6 +481,8 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
 
   smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   n_items = bsz_pad // lanes * hq  # a persistent CTA's work items: (batch group, head)
+  if persistent is None:
+    persistent = persistent_for(tq, n_items)
 
   def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
     scratch = (

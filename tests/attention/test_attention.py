@@ -445,6 +445,39 @@ def test_mosaic_persistent_decode_lowers_for_cuda(b, tq, d, lanes, stages):
                              scale=1.0, persistent=True)
 
 
+def test_mosaic_persistent_default_rule():
+  """Persistent decode CTAs are the default exactly for decode steps of one to four waves of
+  (batch group, head) items (the rollout shapes where they were measured faster), the
+  default module is the persistent one there, and a non-bool ``persistent`` is refused by
+  name."""
+  from jaxrl_kernels.pallas import attention_mosaic as am
+  sms = am.DEFAULT_NUM_SMS
+  assert not am.persistent_for(7, sms)  # one wave: nothing to walk
+  assert am.persistent_for(7, sms + 1) and am.persistent_for(64, 4 * sms)
+  assert not am.persistent_for(7, 4 * sms + 1)  # past four waves: no measured gain
+  assert not am.persistent_for(65, 2 * sms)  # a prefill block
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  sd = jax.ShapeDtypeStruct
+  b = 64  # Llama-3.2-1B's decode step at 64 prompts: 8 kv heads x 32 lane pairs = 256 items
+  args = (sd((b, 8, 4, 64), bf16), sd((b, 512, 8, 64), bf16), sd((b, 512, 8, 64), bf16),
+          sd((b, 4), i32), sd((b,), i32))
+
+  def text(**kw):
+    fn = jax.jit(functools.partial(am.forward, scale=0.125, heads_major=True, **kw))
+    return jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+  saved = jax.config.jax_traceback_in_locations_limit
+  try:  # source locations differ by the call's line: leave them out of the modules compared
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    assert text() == text(persistent=True) != text(persistent=False)
+  finally:
+    jax.config.update("jax_traceback_in_locations_limit", saved)
+  q = jnp.zeros((1, 4, 4, 64), bf16)
+  k = jnp.zeros((1, 512, 4, 64), bf16)
+  with pytest.raises(ValueError, match="persistent must be a bool or None"):
+    am.forward(q, k, k, jnp.zeros((1, 4), i32), jnp.ones((1,), i32), scale=1.0, persistent=1)
+
+
 def test_mosaic_ring_depth_is_checked():
   """``stages`` must be an int >= 1 whose rings fit in shared memory, and at least 2 where
   two warpgroups share a ring: refused by name before any kernel is built. The default fits
