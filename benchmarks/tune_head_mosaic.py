@@ -28,11 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bits_digest, device_ms  # noqa: E402
 
 C = lm.MosaicLogpConfig
-# Rows per CTA x warpgroups per CTA (one vocab tile each) x pipeline depth.
+# Rows per CTA x warpgroups per CTA (one vocab tile each) x pipeline depth x hidden columns
+# per pipeline step.
 CONFIGS = [
     C(tile_m=64, num_wgs=2, max_concurrent_steps=4),
     C(tile_m=64, num_wgs=1, max_concurrent_steps=4),
     C(tile_m=64, num_wgs=1, max_concurrent_steps=8),
+    C(tile_m=64, num_wgs=1, max_concurrent_steps=4, tile_k=128),
+    C(tile_m=64, num_wgs=1, max_concurrent_steps=6, tile_k=128),
     C(tile_m=128, num_wgs=2, max_concurrent_steps=4),
     C(tile_m=128, num_wgs=1, max_concurrent_steps=6),
 ]

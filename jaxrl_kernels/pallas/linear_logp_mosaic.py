@@ -81,6 +81,9 @@ class MosaicLogpConfig:
     grid_tile_width: band width of the snake walk (L2 reuse).
     num_wgs: compute warpgroups per CTA (1 or 2), one vocab tile each: each vocab tile's
       logits and statistics are one warpgroup's whatever the CTA holds.
+    tile_k: hidden columns per pipeline step, a multiple of ``TILE_K`` (the same k16
+      instructions in the same order into the same accumulator, fewer waits between them;
+      ``mosaic_loop``). A call whose padded H is not a multiple of it is refused by name.
   """
 
   tile_m: int = 128
@@ -88,10 +91,15 @@ class MosaicLogpConfig:
   grid_minor: str = "m"
   grid_tile_width: int = 8
   num_wgs: int = 2
+  tile_k: int = TILE_K
 
   def __post_init__(self):
     if self.num_wgs not in (1, 2):
       raise ValueError(f"MosaicLogpConfig: num_wgs must be 1 or 2, got {self.num_wgs!r}")
+    if (not isinstance(self.tile_k, int) or isinstance(self.tile_k, bool)
+        or self.tile_k < TILE_K or self.tile_k % TILE_K):
+      raise ValueError(f"MosaicLogpConfig: tile_k must be a positive multiple of {TILE_K}, "
+                       f"got {self.tile_k!r}")
 
   @property
   def cta_n(self) -> int:
@@ -104,7 +112,23 @@ class MosaicLogpConfig:
     return mosaic_loop.LoopConfig(
         tile_m=self.tile_m, tile_n=VOCAB_TILE, num_compute_wgs=self.num_wgs, wg_split="n",
         max_concurrent_steps=self.max_concurrent_steps, grid_minor=self.grid_minor,
-        grid_tile_width=self.grid_tile_width)
+        grid_tile_width=self.grid_tile_width, tile_k=self.tile_k)
+
+
+def decode_config(rows: int, hidden: int) -> MosaicLogpConfig | None:
+  """The sampler head's config at a decode step's few rows (``rows <= 64``), else None.
+
+  64-row CTAs halve the padding rows' tensor-core work and logit stores. Where the hidden
+  size (padded to ``TILE_K``) allows, CTAs of one vocab tile step 128 hidden columns: the
+  H100 logits and draw at T = 1 and 8, V = 151936 take 1-3% less time than with two
+  warpgroups and 64-column steps (``benchmarks/results/head_decode_h100.md``). Free knobs:
+  the same bits (``tests/linear_logp/test_linear_logp_mosaic_gpu.py``).
+  """
+  if rows > 64:
+    return None
+  if _common.round_up(hidden, TILE_K) % (2 * TILE_K):
+    return MosaicLogpConfig(tile_m=64)
+  return MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=2 * TILE_K)
 
 
 def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None):
@@ -244,7 +268,12 @@ def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
     extra += wgs * (cfg.tile_m + EPI_ROWS * PACK) * 4
   if draws:  # the rows' two key words, and the packed draw's wider statistics
     extra += wgs * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
-  steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra)
+  steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra, tile_k=cfg.tile_k)
+  need = steps * (cfg.loop.cta_tile_m + cfg.loop.cta_tile_n) * cfg.tile_k * itemsize + extra
+  if need > mosaic_loop.SMEM_BUDGET:
+    raise ValueError(f"MosaicLogpConfig: {cfg} needs {need} bytes of shared memory at "
+                     f"{steps} pipeline stages (at most {mosaic_loop.SMEM_BUDGET}); take a "
+                     f"smaller tile_k, tile_m or num_wgs")
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
@@ -279,6 +308,9 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: i
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_run, n_run,
           store_logits, stats, cfg: MosaicLogpConfig, out_type, draws: bool = False):
   k = hidden.shape[1]
+  if k % cfg.tile_k:
+    raise ValueError(f"MosaicLogpConfig: tile_k ({cfg.tile_k}) must divide the hidden size "
+                     f"padded to {TILE_K} columns ({k})")
   temp = sp.temperature_operand(temperature)
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
@@ -350,9 +382,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
     raise TypeError(f"head_logits(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
   t = hidden2d.shape[0]
-  # A decode step's few rows: 64-row CTAs (a free knob) halve the padding rows' tensor-core
-  # work and logit stores.
-  cfg = config or MosaicLogpConfig(tile_m=64 if t <= 64 else 128)
+  cfg = config or decode_config(t, hidden2d.shape[1]) or MosaicLogpConfig(tile_m=128)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)
@@ -402,7 +432,7 @@ def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
   # 64-row CTAs at every row count: with the race's temporaries next to a 128-row
   # accumulator the registers spill (H100, V = 151936, H = 2048: 1.12 against 0.48 ms at
   # T = 256; 0.71 against 0.33 ms at T = 128).
-  cfg = config or MosaicLogpConfig(tile_m=64)
+  cfg = config or decode_config(t, hidden2d.shape[1]) or MosaicLogpConfig(tile_m=64)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=False, stats=True,

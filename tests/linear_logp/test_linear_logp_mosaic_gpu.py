@@ -127,15 +127,18 @@ def test_partials_vs_float64(layout):
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 def test_tile_m_and_walk_keep_the_bits(layout):
-  """The free knobs (rows per CTA, CTA walk, pipeline depth, warpgroups per CTA) never change
-  a partial."""
+  """The free knobs (rows per CTA, CTA walk, pipeline depth, warpgroups per CTA, hidden
+  columns per pipeline step) never change a partial."""
   x, tg = _wide(700)
   w = _weight(layout)
   kw = dict(layout=layout, temperature=1.0, compute_dtype=jnp.bfloat16)
   ref = lm.tile_partials(x, w, None, tg, **kw)
   for cfg in (lm.MosaicLogpConfig(tile_m=64), lm.MosaicLogpConfig(grid_minor="n"),
               lm.MosaicLogpConfig(tile_m=64, max_concurrent_steps=2, grid_tile_width=1),
-              lm.MosaicLogpConfig(num_wgs=1), lm.MosaicLogpConfig(tile_m=64, num_wgs=1)):
+              lm.MosaicLogpConfig(num_wgs=1), lm.MosaicLogpConfig(tile_m=64, num_wgs=1),
+              lm.MosaicLogpConfig(tile_m=64, tile_k=128),
+              lm.MosaicLogpConfig(num_wgs=1, tile_k=128),
+              lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128, max_concurrent_steps=8)):
     got = lm.tile_partials(x, w, None, tg, config=cfg, **kw)
     for name, a, b in zip("msuz", got, ref):
       assert_bitwise_equal(a, b, f"{name} with {cfg}")
@@ -143,14 +146,17 @@ def test_tile_m_and_walk_keep_the_bits(layout):
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 def test_logits_of_few_rows_keep_the_bits(layout):
-  """The sampler's logits kernel at <= 64 rows (64-row CTAs, and CTAs of one warpgroup) gives
-  the rows of a 300-row call (128-row CTAs): logits and statistics bitwise."""
+  """The sampler's logits kernel at <= 64 rows (64-row CTAs, CTAs of one warpgroup, 128
+  hidden columns per step) gives the rows of a 300-row call (128-row CTAs): logits and
+  statistics bitwise."""
   x, _ = _wide(300)
   w = _weight(layout)
   kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16, return_stats=True)
   z, (m, s, u) = lm.logits(x, w, None, **kw)
   one = lm.MosaicLogpConfig(tile_m=64, num_wgs=1)  # CTAs of one vocab tile: the same bits
-  for rows, config in ((1, None), (40, None), (64, None), (1, one), (64, one)):
+  k128 = lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)
+  for rows, config in ((1, None), (40, None), (64, None), (1, one), (64, one), (1, k128),
+                       (40, k128)):
     z2, (m2, s2, u2) = lm.logits(x[:rows], w, None, **kw, config=config)
     assert_bitwise_equal(z2, z[:rows], f"logits, {rows} rows, {config}")
     for name, a, b in zip("msu", (m2, s2, u2), (m, s, u), strict=True):
@@ -216,11 +222,14 @@ def test_draw_in_the_head_kernel(t, layout, v, masked):
   for got, want, name in zip(jax.tree.leaves(wide), jax.tree.leaves((tokens, tz, stats)),
                              ("tokens", "token logits", "m", "s", "u"), strict=True):
     assert_bitwise_equal(got, want, f"{name} with 128-row CTAs")
-  # So is the CTA's warpgroup count: CTAs of one vocab tile draw the same bits.
-  one = lm.logits_draw(x, w, b, seed, **kw, config=lm.MosaicLogpConfig(tile_m=64, num_wgs=1))
-  for got, want, name in zip(jax.tree.leaves(one), jax.tree.leaves((tokens, tz, stats)),
-                             ("tokens", "token logits", "m", "s", "u"), strict=True):
-    assert_bitwise_equal(got, want, f"{name} with one warpgroup per CTA")
+  # So are the CTA's warpgroup count (CTAs of one vocab tile) and the hidden columns per
+  # pipeline step: the same bits.
+  for cfg in (lm.MosaicLogpConfig(tile_m=64, num_wgs=1),
+              lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)):
+    one = lm.logits_draw(x, w, b, seed, **kw, config=cfg)
+    for got, want, name in zip(jax.tree.leaves(one), jax.tree.leaves((tokens, tz, stats)),
+                               ("tokens", "token logits", "m", "s", "u"), strict=True):
+      assert_bitwise_equal(got, want, f"{name} with {cfg}")
   z, ref_stats = lm.logits(x, w, b, **kw, return_stats=True)
   for got, want, name in zip(stats, ref_stats, "msu", strict=True):
     assert_bitwise_equal(got, want, f"statistic {name}")

@@ -91,6 +91,61 @@ def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
       linear_logp_mosaic.MosaicLogpConfig(num_wgs=bad)
 
 
+def test_lm_head_decode_rows_take_one_warpgroup_wide_k_steps():
+  """The sampler head's default at <= 64 rows (logits and draw): 64-row CTAs of one vocab
+  tile stepping 128 hidden columns where the padded H allows, else two warpgroups at 64;
+  more rows keep the two-warpgroup, 64-column config."""
+  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16)
+  for t, h, want in ((1, 512, (64, 1, 128)), (64, 896, (64, 1, 128)), (8, 320, (64, 2, 64)),
+                     (65, 512, (128, 2, 64))):
+    x, w = S((t, h), jnp.bfloat16), S((h, 3001), jnp.bfloat16)
+    for fn, args in (
+        (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw), (x, w)),
+        (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
+         (x, w, S((2,), jnp.int32)))):
+      (loop,) = _traced_loops(fn, *args)
+      got = (loop.tile_m, loop.num_compute_wgs, loop.tile_k)
+      if t > 64 and fn.__code__.co_argcount == 3:  # the draw keeps 64-row CTAs at every T
+        assert got == (64, 2, 64), (t, h)
+      else:
+        assert got == want, (t, h, fn)
+
+
+@pytest.mark.parametrize("t,tile_k,wgs", [(1, 128, 1), (64, 128, 1), (300, 128, 1)])
+def test_lm_head_wide_k_steps_lower_for_cuda(t, tile_k, wgs):
+  """``MosaicLogpConfig(tile_k=...)``: the LM head's main loop steps that many hidden columns
+  (the loop traced with it) for the partials, the logits and the draw, and builds CUDA
+  kernels; a step off the contract's 64 columns, or one that does not divide the padded H,
+  is refused by name. Bits: tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
+  h, v = 512, 3001
+  cfg = linear_logp_mosaic.MosaicLogpConfig(tile_m=64 if t <= 64 else 128, num_wgs=wgs,
+                                            tile_k=tile_k)
+  x, w, tg = S((t, h), jnp.bfloat16), S((h, v), jnp.bfloat16), S((t,), jnp.int32)
+  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16, config=cfg)
+  fns = [(lambda x, w, tg: linear_logp_mosaic.tile_partials(x, w, None, tg, **kw), (x, w, tg)),
+         (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw), (x, w)),
+         (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
+          (x, w, S((2,), jnp.int32)))]
+  for fn, args in fns:
+    (loop,) = _traced_loops(fn, *args)
+    assert (loop.tile_k, loop.num_compute_wgs) == (tile_k, wgs)
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+  for bad in (0, 32, 96, 64.0, True):
+    with pytest.raises(ValueError, match="tile_k must be a positive multiple of 64"):
+      linear_logp_mosaic.MosaicLogpConfig(tile_k=bad)
+  odd = linear_logp_mosaic.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)  # H = 320
+  with pytest.raises(ValueError, match=r"tile_k \(128\) must divide the hidden size"):
+    linear_logp_mosaic.logits(jnp.zeros((4, 320), jnp.bfloat16), jnp.zeros((320, 3001),
+                              jnp.bfloat16), None, layout="hv", temperature=1.0,
+                              compute_dtype=jnp.bfloat16, config=odd)
+  big = linear_logp_mosaic.MosaicLogpConfig(tile_m=64, tile_k=128)  # 2 x 80 KiB + the logits
+  with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
+    linear_logp_mosaic.logits(jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((512, 3001),
+                              jnp.bfloat16), None, layout="hv", temperature=1.0,
+                              compute_dtype=jnp.bfloat16, config=big)
+
+
 @pytest.mark.parametrize("m,kc,with_bias", [(300, 128, False), (64, 640, True),
                                             (1024, 608, True), (1024, 112, False)])
 def test_chunk_tree_kernel_lowers_for_cuda(m, kc, with_bias):
