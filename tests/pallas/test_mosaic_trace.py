@@ -66,22 +66,30 @@ def test_lm_head_runs_the_shared_main_loop(layout):
         linear_logp_mosaic.VOCAB_TILE, 2, "n")
 
 
+def _head_calls(t, h, config=None, v=3001):
+  """The LM head's three Mosaic kernels at ``t`` rows, ``H = h``: ``{name: (fn, args)}`` for
+  the fused partials, the logits with statistics and the draw (``config``: the default's
+  when None)."""
+  x, w = S((t, h), jnp.bfloat16), S((h, v), jnp.bfloat16)
+  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16, config=config)
+  return {
+      "partials": (lambda x, w, tg: linear_logp_mosaic.tile_partials(x, w, None, tg, **kw),
+                   (x, w, S((t,), jnp.int32))),
+      "logits": (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw),
+                 (x, w)),
+      "draw": (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
+               (x, w, S((2,), jnp.int32)))}
+
+
 @pytest.mark.parametrize("t", [1, 64, 300])
 def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
   """``MosaicLogpConfig(num_wgs=1)``: CTAs of one vocab tile (one compute warpgroup) run the
   same main loop and epilogue for the fused partials, the logits with statistics and the
   draw, and build CUDA kernels; anything but 1 or 2 warpgroups is refused by name. Bits:
   tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
-  h, v = 512, 3001
   cfg = linear_logp_mosaic.MosaicLogpConfig(tile_m=64 if t <= 64 else 128, num_wgs=1)
   assert cfg.cta_n == linear_logp_mosaic.VOCAB_TILE
-  x, w, tg = S((t, h), jnp.bfloat16), S((h, v), jnp.bfloat16), S((t,), jnp.int32)
-  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16, config=cfg)
-  fns = [(lambda x, w, tg: linear_logp_mosaic.tile_partials(x, w, None, tg, **kw), (x, w, tg)),
-         (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw), (x, w)),
-         (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
-          (x, w, S((2,), jnp.int32)))]
-  for fn, args in fns:
+  for fn, args in _head_calls(t, 512, cfg).values():
     (loop,) = _traced_loops(fn, *args)
     assert (loop.tile_n, loop.num_compute_wgs) == (linear_logp_mosaic.VOCAB_TILE, 1)
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
@@ -95,20 +103,17 @@ def test_lm_head_decode_rows_take_one_warpgroup_wide_k_steps():
   """The sampler head's default at <= 64 rows (logits and draw): 64-row CTAs of one vocab
   tile stepping 128 hidden columns where the padded H allows, else two warpgroups at 64;
   more rows keep the two-warpgroup, 64-column config."""
-  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16)
   for t, h, want in ((1, 512, (64, 1, 128)), (64, 896, (64, 1, 128)), (8, 320, (64, 2, 64)),
                      (65, 512, (128, 2, 64))):
-    x, w = S((t, h), jnp.bfloat16), S((h, 3001), jnp.bfloat16)
-    for fn, args in (
-        (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw), (x, w)),
-        (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
-         (x, w, S((2,), jnp.int32)))):
+    calls = _head_calls(t, h)
+    for name in ("logits", "draw"):
+      fn, args = calls[name]
       (loop,) = _traced_loops(fn, *args)
       got = (loop.tile_m, loop.num_compute_wgs, loop.tile_k)
-      if t > 64 and fn.__code__.co_argcount == 3:  # the draw keeps 64-row CTAs at every T
+      if t > 64 and name == "draw":  # the draw keeps 64-row CTAs at every T
         assert got == (64, 2, 64), (t, h)
       else:
-        assert got == want, (t, h, fn)
+        assert got == want, (t, h, name)
 
 
 @pytest.mark.parametrize("t,tile_k,wgs", [(1, 128, 1), (64, 128, 1), (300, 128, 1)])
@@ -117,16 +122,9 @@ def test_lm_head_wide_k_steps_lower_for_cuda(t, tile_k, wgs):
   (the loop traced with it) for the partials, the logits and the draw, and builds CUDA
   kernels; a step off the contract's 64 columns, or one that does not divide the padded H,
   is refused by name. Bits: tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
-  h, v = 512, 3001
   cfg = linear_logp_mosaic.MosaicLogpConfig(tile_m=64 if t <= 64 else 128, num_wgs=wgs,
                                             tile_k=tile_k)
-  x, w, tg = S((t, h), jnp.bfloat16), S((h, v), jnp.bfloat16), S((t,), jnp.int32)
-  kw = dict(layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16, config=cfg)
-  fns = [(lambda x, w, tg: linear_logp_mosaic.tile_partials(x, w, None, tg, **kw), (x, w, tg)),
-         (lambda x, w: linear_logp_mosaic.logits(x, w, None, return_stats=True, **kw), (x, w)),
-         (lambda x, w, sd: linear_logp_mosaic.logits_draw(x, w, None, sd, **kw),
-          (x, w, S((2,), jnp.int32)))]
-  for fn, args in fns:
+  for fn, args in _head_calls(t, 512, cfg).values():
     (loop,) = _traced_loops(fn, *args)
     assert (loop.tile_k, loop.num_compute_wgs) == (tile_k, wgs)
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
