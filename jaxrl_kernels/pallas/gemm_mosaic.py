@@ -393,7 +393,11 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   Rows the TMA tiling cannot take are zero-padded: a non-transposed lhs up to
   a multiple of 8 rows (and at least one CTA tile), and for a transposed lhs
   (the weight gradient) the reduction rows of both operands. Zero rows never
-  change other rows' bits, and zero reduction terms add exactly 0.
+  change other rows' bits, and zero reduction terms add exactly 0. The output
+  (and ``acc``) keep the rows TMA can take in place (``mosaic_loop.rows_in_place``:
+  a decode step's ``M < 8``, or a multiple of 8): the stores of the padding rows are
+  clipped, so a product of fewer rows than a CTA tile writes (and reads back) no
+  padding rows.
   """
   m = lhs.shape[1] if lhs_transposed else lhs.shape[0]
   k = lhs.shape[0] if lhs_transposed else lhs.shape[1]
@@ -424,14 +428,15 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                           or jnp.dtype(out_dtype) != jnp.float32):
     raise ValueError(f"det_matmul(mosaic): acc must be float32 {(m, n)} with a float32 output, "
                      f"got {acc.dtype} {acc.shape} and out_dtype {jnp.dtype(out_dtype)}")
-  m_run = m
+  m_run = m_out = m  # the kernel's rows (lhs, row operands) and the output's
   if not lhs_transposed:
     m_run = max(cfg.cta_tile_m, round_up(m, 8))
+    m_out = m if mosaic_loop.rows_in_place(m) else round_up(m, 8)
     if m_run != m:
       lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0)))
-      if acc is not None:
-        acc = jnp.pad(acc, ((0, m_run - m), (0, 0)))
       row_operands = tuple(jnp.pad(r, (0, m_run - m)) for r in row_operands)
+    if acc is not None and m_out != m:
+      acc = jnp.pad(acc, ((0, m_out - m), (0, 0)))
   for r in row_operands:
     if r.shape != (m_run,):
       raise ValueError(f"det_matmul(mosaic): row operands must be [{m}], got {r.shape}")
@@ -455,9 +460,9 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
                          name="det_matmul_acc")
     in_place(lhs, rhs, *vec, acc_ref)
     out = jax.freeze(acc_ref)
-    return out[:m] if m_run != m else out
-  f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype),
+    return out[:m] if m_out != m else out
+  f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((m_out, n), out_dtype),
                          cfg=cfg.loop,
                          name=f"det_matmul_k{k}_n{n}" if acc is None else "det_matmul_acc")
   out = f(lhs, rhs, *vec) if acc is None else f(lhs, rhs, *vec, acc)
-  return out[:m] if m_run != m else out
+  return out[:m] if m_out != m else out

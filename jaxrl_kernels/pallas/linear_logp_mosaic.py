@@ -41,6 +41,9 @@ not a multiple of 64 for ``"hv"`` / 8 for ``"vh"``, fewer than one CTA tile of
 rows or columns, T not a multiple of 8) are zero-padded (a copy); padding
 columns are masked and padding rows dropped, so the bits do not change.
 LM heads in practice (H = 4096, V = 151936, T % 8 = 0) are read in place.
+The stored logits keep the rows TMA takes in place (``mosaic_loop.rows_in_place``:
+a decode step's ``T < 8``, or a multiple of 8): the stores of the CTA tile's
+padding rows are clipped, so a decode step writes no ``[padding rows, V]`` logits.
 """
 
 from __future__ import annotations
@@ -389,7 +392,9 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
                                       cfg.tile_m, cfg.cta_n)
   n_out = _common.round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
-  out_type = [jax.ShapeDtypeStruct((m_run, n_out), jnp.float32)]
+  # The padding rows' stores are clipped (see the module doc).
+  m_out = t if mosaic_loop.rows_in_place(t) else _common.round_up(t, 8)
+  out_type = [jax.ShapeDtypeStruct((m_out, n_out), jnp.float32)]
   extra = ()
   if return_stats:
     # No row's target is in any tile (tz unused): the same epilogue code as tile_partials.
@@ -401,7 +406,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
                m_run=m_run, n_run=n_run, store_logits=True,
                stats=return_stats, cfg=cfg, out_type=tuple(out_type))
   z = outs[0]
-  z = z[:t, :v] if (m_run, n_out) != (t, v) else z
+  z = z[:t, :v] if (m_out, n_out) != (t, v) else z
   if not return_stats:
     return z
   m, s, u, _ = _unpack(outs[1], n_tiles, t, cfg.tile_m)

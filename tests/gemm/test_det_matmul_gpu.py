@@ -122,10 +122,11 @@ def test_weight_gradient_configs_give_the_same_bits():
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("rhs_transposed", [False, True])
-@pytest.mark.parametrize("m", [700, 4096])
+@pytest.mark.parametrize("m", [3, 40, 700, 4096])
 def test_mosaic_epilogue_accumulation_is_bitwise_c_plus_product(rhs_transposed, m):
   """matmul(acc=c) == c + matmul(): one float32 add after the full K reduction,
-  for both weight layouts and a ragged M (padded rows)."""
+  for both weight layouts, a ragged M (padded rows) and decode-step M below one CTA
+  tile (``c`` read and the output stored without the tile's padding rows)."""
   from jaxrl_kernels.pallas import gemm_mosaic as gm
   k, n = 1024, 2048
   a = wide_rows(jax.random.key(9), m, k, jnp.bfloat16)

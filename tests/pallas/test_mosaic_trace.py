@@ -116,6 +116,25 @@ def test_lm_head_decode_rows_take_one_warpgroup_wide_k_steps():
         assert got == want, (t, h, name)
 
 
+@pytest.mark.parametrize("t", [1, 3, 8, 40])
+def test_decode_rows_store_no_padding_rows(t):
+  """A decode step's few rows (``t`` below one 64-row CTA tile): the LM head's logits and a
+  GEMM's output are ``[t, N]`` arrays in the module, their padding rows' stores clipped, not
+  ``[64, N]`` arrays sliced afterwards; the lhs is still padded to the CTA tile. Bits:
+  tests/linear_logp/test_linear_logp_mosaic_gpu.py, tests/gemm/test_det_matmul_gpu.py."""
+  head = jax.export.export(jax.jit(lambda x, w: linear_logp_mosaic.logits(
+      x, w, None, return_stats=True, layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16)),
+      platforms=["cuda"])(S((t, 512), jnp.bfloat16), S((512, 3072), jnp.bfloat16))
+  gemm = jax.export.export(jax.jit(lambda a, b: gemm_mosaic.matmul(
+      a, b, lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.bfloat16)),
+      platforms=["cuda"])(S((t, 512), jnp.bfloat16), S((512, 1024), jnp.bfloat16))
+  for exported, out in ((head, "3072xf32"), (gemm, "1024xbf16")):
+    module = exported.mlir_module()
+    assert "mosaic_gpu" in module
+    assert f"tensor<{t}x{out}>" in module and f"tensor<64x{out}>" not in module, out
+  assert "tensor<64x512xbf16>" in gemm.mlir_module()  # the lhs: one CTA tile of rows
+
+
 @pytest.mark.parametrize("t,tile_k,wgs", [(1, 128, 1), (64, 128, 1), (300, 128, 1)])
 def test_lm_head_wide_k_steps_lower_for_cuda(t, tile_k, wgs):
   """``MosaicLogpConfig(tile_k=...)``: the LM head's main loop steps that many hidden columns
