@@ -122,7 +122,7 @@ def test_weight_gradient_configs_give_the_same_bits():
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("rhs_transposed", [False, True])
-@pytest.mark.parametrize("m", [3, 40, 700, 4096])
+@pytest.mark.parametrize("m", [3, 13, 40, 700, 4096])
 def test_mosaic_epilogue_accumulation_is_bitwise_c_plus_product(rhs_transposed, m):
   """matmul(acc=c) == c + matmul(): one float32 add after the full K reduction,
   for both weight layouts, a ragged M (padded rows) and decode-step M below one CTA

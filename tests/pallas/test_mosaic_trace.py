@@ -116,11 +116,12 @@ def test_lm_head_decode_rows_take_one_warpgroup_wide_k_steps():
         assert got == want, (t, h, name)
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 40])
-def test_decode_rows_store_no_padding_rows(t):
+@pytest.mark.parametrize("t,rows", [(1, 1), (3, 3), (8, 8), (13, 16), (40, 40)])
+def test_decode_rows_store_no_padding_rows(t, rows):
   """A decode step's few rows (``t`` below one 64-row CTA tile): the LM head's logits and a
-  GEMM's output are ``[t, N]`` arrays in the module, their padding rows' stores clipped, not
-  ``[64, N]`` arrays sliced afterwards; the lhs is still padded to the CTA tile. Bits:
+  GEMM's output are ``[rows, N]`` arrays in the module (``t``, or ``t`` rounded up to 8 where
+  TMA cannot store ``t`` rows in place), their padding rows' stores clipped, not ``[64, N]``
+  arrays sliced afterwards; the lhs is still padded to the CTA tile. Bits:
   tests/linear_logp/test_linear_logp_mosaic_gpu.py, tests/gemm/test_det_matmul_gpu.py."""
   head = jax.export.export(jax.jit(lambda x, w: linear_logp_mosaic.logits(
       x, w, None, return_stats=True, layout="hv", temperature=0.7, compute_dtype=jnp.bfloat16)),
@@ -131,7 +132,7 @@ def test_decode_rows_store_no_padding_rows(t):
   for exported, out in ((head, "3072xf32"), (gemm, "1024xbf16")):
     module = exported.mlir_module()
     assert "mosaic_gpu" in module
-    assert f"tensor<{t}x{out}>" in module and f"tensor<64x{out}>" not in module, out
+    assert f"tensor<{rows}x{out}>" in module and f"tensor<64x{out}>" not in module, out
   assert "tensor<64x512xbf16>" in gemm.mlir_module()  # the lhs: one CTA tile of rows
 
 
