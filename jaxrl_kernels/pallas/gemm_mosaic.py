@@ -394,7 +394,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   a multiple of 8 rows (and at least one CTA tile), and for a transposed lhs
   (the weight gradient) the reduction rows of both operands. Zero rows never
   change other rows' bits, and zero reduction terms add exactly 0. The output
-  (and ``acc``) keep the rows TMA can take in place (``mosaic_loop.rows_in_place``:
+  (and ``acc``) keep the rows TMA can take in place (``mosaic_loop.stored_rows``:
   a decode step's ``M < 8``, or a multiple of 8): the stores of the padding rows are
   clipped, so a product of fewer rows than a CTA tile writes (and reads back) no
   padding rows.
@@ -431,7 +431,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   m_run = m_out = m  # the kernel's rows (lhs, row operands) and the output's
   if not lhs_transposed:
     m_run = max(cfg.cta_tile_m, round_up(m, 8))
-    m_out = m if mosaic_loop.rows_in_place(m) else round_up(m, 8)
+    m_out = mosaic_loop.stored_rows(m)
     if m_run != m:
       lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0)))
       row_operands = tuple(jnp.pad(r, (0, m_run - m)) for r in row_operands)

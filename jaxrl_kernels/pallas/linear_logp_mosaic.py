@@ -41,7 +41,7 @@ not a multiple of 64 for ``"hv"`` / 8 for ``"vh"``, fewer than one CTA tile of
 rows or columns, T not a multiple of 8) are zero-padded (a copy); padding
 columns are masked and padding rows dropped, so the bits do not change.
 LM heads in practice (H = 4096, V = 151936, T % 8 = 0) are read in place.
-The stored logits keep the rows TMA takes in place (``mosaic_loop.rows_in_place``:
+The stored logits keep the rows TMA takes in place (``mosaic_loop.stored_rows``:
 a decode step's ``T < 8``, or a multiple of 8): the stores of the CTA tile's
 padding rows are clipped, so a decode step writes no ``[padding rows, V]`` logits.
 """
@@ -393,7 +393,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
                                       cfg.tile_m, cfg.cta_n)
   n_out = _common.round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
   # The padding rows' stores are clipped (see the module doc).
-  m_out = t if mosaic_loop.rows_in_place(t) else _common.round_up(t, 8)
+  m_out = mosaic_loop.stored_rows(t)
   out_type = [jax.ShapeDtypeStruct((m_out, n_out), jnp.float32)]
   extra = ()
   if return_stats:

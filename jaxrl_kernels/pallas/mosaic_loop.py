@@ -217,6 +217,13 @@ def rows_in_place(rows: int) -> bool:
   return 0 < rows < 8 or (rows > 0 and rows % 8 == 0)
 
 
+def stored_rows(rows: int) -> int:
+  """The rows of an output that ``rows`` real rows are stored into: ``rows`` where TMA takes
+  them in place (:func:`rows_in_place`; the stores of a CTA tile's rows past them are
+  clipped), else ``rows`` rounded up to 8."""
+  return rows if rows_in_place(rows) else cdiv(rows, 8) * 8
+
+
 def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig,
                       lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
                       operands: Sequence[tuple[Any, str]] = (),
