@@ -25,9 +25,10 @@ def pipelined_ms(fn, arg_sets, calls: int) -> float:
 def head_sweep(description: str, measure, table, *, rows: str, hidden: str, hbm: float,
                title: str, caption: str) -> None:
   """The LM-head benchmarks' command line: ``measure(t, hidden, vocab, calls=,
-  implementation=)`` at every ``--hidden`` x ``--rows`` shape, then ``# {title}: {device}``,
-  the ``caption`` (formatted with ``calls`` and ``hbm``) and ``table(rows, hbm)``, printed and
-  written to ``--out``. ``rows``, ``hidden``, ``hbm``: the defaults of those flags."""
+  implementation=, layout=)`` at every ``--hidden`` x ``--rows`` shape, then
+  ``# {title}: {device}``, the ``caption`` (formatted with ``calls`` and ``hbm``) and
+  ``table(rows, hbm)``, printed and written to ``--out``. ``rows``, ``hidden``, ``hbm``: the
+  defaults of those flags."""
   import argparse
   import datetime
 
@@ -39,23 +40,38 @@ def head_sweep(description: str, measure, table, *, rows: str, hidden: str, hbm:
   ap.add_argument("--implementation", default=None,
                   help="linear_logp implementation of our paths (default: by device)")
   ap.add_argument("--hbm", type=float, default=hbm, help="HBM TB/s of the floor column")
+  ap.add_argument("--layout", default="hv", choices=("hv", "vh"),
+                  help="the weight: [H, V] (hv) or a tied embedding's [V, H] (vh)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
   results = []
   for h in (int(x) for x in args.hidden.split(",")):
     for t in (int(x) for x in args.rows.split(",")):
       results.append(measure(t, h, args.vocab, calls=args.calls,
-                             implementation=args.implementation))
+                             implementation=args.implementation, layout=args.layout))
       print(results[-1], flush=True)
   dev = jax.devices()[0]
   lines = [f"# {title}: {getattr(dev, 'device_kind', dev.platform)}", "",
-           f"jax {jax.__version__}; {datetime.date.today()}; "
+           f"jax {jax.__version__}; {datetime.date.today()}; weight layout {args.layout!r}; "
            + caption.format(calls=args.calls, hbm=args.hbm), "", *table(results, args.hbm)]
   text = "\n".join(lines) + "\n"
   print(text)
   if args.out:
     with open(args.out, "w") as f:
       f.write(text)
+
+
+def head_weight(key, hidden: int, vocab: int, layout: str, scale: float) -> jax.Array:
+  """A bf16 LM-head weight: ``[H, V]`` (``"hv"``) or a tied embedding's ``[V, H]``
+  (``"vh"``), normal times ``scale``."""
+  shape = (hidden, vocab) if layout == "hv" else (vocab, hidden)
+  return (jax.random.normal(key, shape, jax.numpy.float32) * scale).astype(jax.numpy.bfloat16)
+
+
+def head_product(h: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+  """The stock path's float32 logits ``h W`` of a :func:`head_weight`."""
+  spec = "th,hv->tv" if layout == "hv" else "th,vh->tv"
+  return jax.numpy.einsum(spec, h, w, preferred_element_type=jax.numpy.float32)
 
 
 def bits_digest(tree) -> str:

@@ -41,45 +41,50 @@ from jaxrl_kernels.pallas import draw
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import head_sweep, pipelined_ms  # noqa: E402
+from _timing import head_product, head_sweep, head_weight, pipelined_ms  # noqa: E402
 
 
-def _head_draw(implementation):
+def _head_draw(implementation, layout):
   def step(h, w, key):
-    return head_draw_partials(h, w, draw.seed_words(key), implementation=implementation)
+    return head_draw_partials(h, w, draw.seed_words(key), weight_layout=layout,
+                              implementation=implementation)
   return jax.jit(step)
 
 
-def _logits_draw(implementation):
+def _logits_draw(implementation, layout):
   def step(h, w, key):
-    logits, parts = head_logits_partials(h, w, implementation=implementation)
+    logits, parts = head_logits_partials(h, w, weight_layout=layout,
+                                         implementation=implementation)
     tok = jax.random.categorical(key, logits).astype(jnp.int32)
     return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0], parts
   return jax.jit(step)
 
 
-def _stock(h, w, key):
-  logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
-  tok = jax.random.categorical(key, logits)
-  lp = jax.nn.log_softmax(logits, axis=-1)
-  return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+def _stock(layout):
+  def step(h, w, key):
+    logits = head_product(h, w, layout)
+    tok = jax.random.categorical(key, logits)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+  return jax.jit(step)
 
 
-def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation) -> dict:
+def measure(t: int, hidden: int, vocab: int, *, calls: int, implementation,
+            layout: str = "hv") -> dict:
   k = jax.random.split(jax.random.key(t), 2)
-  w = (jax.random.normal(k[0], (hidden, vocab), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  w = head_weight(k[0], hidden, vocab, layout, 0.05)
   hs = [jax.random.normal(jax.random.fold_in(k[1], i), (t, hidden), jnp.bfloat16)
         for i in range(4)]
-  fused = _head_draw(implementation)
+  fused = _head_draw(implementation, layout)
   sets = [(h, w, jax.random.key(i)) for i, h in enumerate(hs)]
   row = {"t": t, "h": hidden, "v": vocab,
          "fused_ms": pipelined_ms(fused, sets, calls),
-         "logits_ms": pipelined_ms(_logits_draw(implementation), sets, calls),
-         "stock_ms": pipelined_ms(jax.jit(_stock), sets, calls)}
+         "logits_ms": pipelined_ms(_logits_draw(implementation, layout), sets, calls),
+         "stock_ms": pipelined_ms(_stock(layout), sets, calls)}
   tok, tz, parts = fused(hs[0], w, jax.random.key(0))
   stats = merge_logit_partials(LogitPartials(*parts), implementation=implementation)
   lp, _ = sp.finalize(tz, stats.lse, stats.entropy, tok, None, vocab)
-  want = linear_logp(hs[0], w, tok, implementation=implementation)
+  want = linear_logp(hs[0], w, tok, weight_layout=layout, implementation=implementation)
   row["bitwise"] = bool(np.array_equal(np.asarray(lp).view(np.uint32),
                                        np.asarray(want).view(np.uint32)))
   row["distinct"] = int(len(np.unique(np.asarray(tok))))

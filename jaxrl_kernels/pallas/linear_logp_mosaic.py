@@ -40,10 +40,12 @@ Shapes Mosaic's TMA tiling cannot take (H not a multiple of 64, vocab extent
 not a multiple of 64 for ``"hv"`` / 8 for ``"vh"``, fewer than one CTA tile of
 rows or columns, T not a multiple of 8) are zero-padded (a copy); padding
 columns are masked and padding rows dropped, so the bits do not change.
-LM heads in practice (H = 4096, V = 151936, T % 8 = 0) are read in place.
-The stored logits keep the rows TMA takes in place (``mosaic_loop.stored_rows``:
-a decode step's ``T < 8``, or a multiple of 8): the stores of the CTA tile's
-padding rows are clipped, so a decode step writes no ``[padding rows, V]`` logits.
+LM heads in practice (H = 4096, V = 151936, T % 8 = 0) are read in place, and
+so are a decode step's hidden rows with ``MosaicLogpConfig.hidden_in_place`` (the TMA
+box reads zeros past them). The stored logits keep the rows TMA takes in place
+(``mosaic_loop.stored_rows``: a decode step's ``T < 8``, or a multiple of 8): the stores
+of the CTA tile's padding rows are clipped, so a decode step writes no
+``[padding rows, V]`` logits.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class MosaicLogpConfig:
     tile_k: hidden columns per pipeline step, a multiple of ``TILE_K`` (the same k16
       instructions in the same order into the same accumulator, fewer waits between them;
       ``mosaic_loop``). A call whose padded H is not a multiple of it is refused by name.
+    hidden_in_place: hidden rows fewer than a CTA tile are read in place where TMA takes
+      them (``mosaic_loop.rows_in_place``): the box reads zeros past them, so no padded
+      copy of the rows is made. Otherwise they are zero-padded to the CTA tile.
   """
 
   tile_m: int = 128
@@ -95,8 +100,12 @@ class MosaicLogpConfig:
   grid_tile_width: int = 8
   num_wgs: int = 2
   tile_k: int = TILE_K
+  hidden_in_place: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.hidden_in_place, bool):
+      raise ValueError(f"MosaicLogpConfig: hidden_in_place must be a bool, got "
+                       f"{self.hidden_in_place!r}")
     if self.num_wgs not in (1, 2):
       raise ValueError(f"MosaicLogpConfig: num_wgs must be 1 or 2, got {self.num_wgs!r}")
     if (not isinstance(self.tile_k, int) or isinstance(self.tile_k, bool)
@@ -118,17 +127,26 @@ class MosaicLogpConfig:
         grid_tile_width=self.grid_tile_width, tile_k=self.tile_k)
 
 
-def decode_config(rows: int, hidden: int) -> MosaicLogpConfig | None:
+def decode_config(rows: int, hidden: int, layout: str = "hv", *,
+                  draws: bool = False) -> MosaicLogpConfig | None:
   """The sampler head's config at a decode step's few rows (``rows <= 64``), else None.
 
-  64-row CTAs halve the padding rows' tensor-core work and logit stores. Where the hidden
-  size (padded to ``TILE_K``) allows, CTAs of one vocab tile step 128 hidden columns: the
-  H100 logits and draw at T = 1 and 8, V = 151936 take 1-3% less time than with two
-  warpgroups and 64-column steps (``benchmarks/results/head_decode_h100.md``). Free knobs:
-  the same bits (``tests/linear_logp/test_linear_logp_mosaic_gpu.py``).
+  64-row CTAs halve the padding rows' tensor-core work and logit stores. H100, V = 151936,
+  T = 1 and 8 (``benchmarks/results/head_decode_h100.md``):
+
+  * the logits of an ``"hv"`` weight ``[H, V]``: two warpgroups (a 256-column CTA tile,
+    512-byte runs of each weight row) with the hidden rows read in place, 0-3% faster than
+    one warpgroup at H = 1536-4096 and 3% at H = 896;
+  * otherwise (the ``"vh"`` weight ``[V, H]``, a tied embedding, whose CTA tile is one
+    contiguous block; and the draw): where the padded hidden size allows, CTAs of one vocab
+    tile stepping 128 hidden columns, 1-3% faster than two warpgroups.
+
+  Free knobs: the same bits (``tests/linear_logp/test_linear_logp_mosaic_gpu.py``).
   """
   if rows > 64:
     return None
+  if layout == "hv" and not draws:
+    return MosaicLogpConfig(tile_m=64, hidden_in_place=True)
   if _common.round_up(hidden, TILE_K) % (2 * TILE_K):
     return MosaicLogpConfig(tile_m=64)
   return MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=2 * TILE_K)
@@ -187,12 +205,14 @@ def _unpack(packed, n_tiles: int, t: int, tm: int, count: int = 4):
 
 def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: bool,
             store_logits: bool, stats: bool, valid_vocab: int, cfg: MosaicLogpConfig,
-            draws: bool = False):
+            draws: bool = False, has_targets: bool = False):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
   # The temperature arrives as a [VOCAB_TILE] row, fetched like the bias.
   t_gmem = refs.pop(0) if has_temp else None
-  tg_gmem = refs.pop(0) if stats else None
+  # The rows' target ids (tile_partials); the logits and the draw have none: their rows
+  # take -1, a constant in registers (no target in any tile), in the same epilogue code.
+  tg_gmem = refs.pop(0) if has_targets else None
   k1_gmem = refs.pop(0) if draws else None  # the rows' draw key words
   k2_gmem = refs.pop(0) if draws else None
   z_gmem = refs.pop(0) if store_logits else None
@@ -245,8 +265,8 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
             z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
       if stats:
         keys = (vecs["k1"][wg, rows], vecs["k2"][wg, rows]) if draws else None
-        row_stats = tile_epilogue(z, col_ids, vecs["tg"][wg, rows], valid_vocab=valid_vocab,
-                                  keys=keys)
+        tg = vecs["tg"][wg, rows] if has_targets else jnp.full((EPI_ROWS,), -1, jnp.int32)
+        row_stats = tile_epilogue(z, col_ids, tg, valid_vocab=valid_vocab, keys=keys)
         packed = _pack(packed, pack_ids, row_stats, c)
     if stats:
       out_smem[wg] = packed
@@ -261,14 +281,14 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
 
 
 def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
-         stats: bool, draws: bool = False) -> MosaicLogpConfig:
+         stats: bool, draws: bool = False, targets: bool = False) -> MosaicLogpConfig:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
   wgs = cfg.num_wgs
   extra = 2 * wgs * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
     extra += wgs * EPI_ROWS * VOCAB_TILE * 4
   if stats:  # the rows' target ids and the packed statistics' staging tile
-    extra += wgs * (cfg.tile_m + EPI_ROWS * PACK) * 4
+    extra += wgs * ((cfg.tile_m if targets else 0) + EPI_ROWS * PACK) * 4
   if draws:  # the rows' two key words, and the packed draw's wider statistics
     extra += wgs * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
   steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra, tile_k=cfg.tile_k)
@@ -285,10 +305,13 @@ def supported(compute_dtype) -> bool:
   return jnp.dtype(compute_dtype).name in ("bfloat16", "float16")
 
 
-def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: int):
+def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: int,
+             hidden_in_place: bool = False):
   """Casts to the compute dtype and zero-pads what TMA tiling cannot take (see module doc).
 
-  Returns ``(hidden, weight, bias_f32_or_None, m_run, n_run)``.
+  Returns ``(hidden, weight, bias_f32_or_None, m_run, n_run)``: ``m_run`` (a multiple of 8,
+  at least one CTA tile) is the kernel's row extent. ``hidden`` has ``m_run`` rows, or with
+  ``hidden_in_place`` its own rows where TMA takes them (``mosaic_loop.rows_in_place``).
   """
   hv = layout == "hv"
   t, h = hidden.shape
@@ -297,9 +320,10 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: i
   weight = weight.astype(compute_dtype)
   h_run = _common.round_up(h, TILE_K)
   m_run = max(tm, _common.round_up(t, 8))
+  m_in = t if hidden_in_place and mosaic_loop.rows_in_place(t) else m_run
   n_run = max(cta_n, _common.round_up(v, 64 if hv else 8))
-  if (m_run, h_run) != (t, h):
-    hidden = jnp.pad(hidden, ((0, m_run - t), (0, h_run - h)))
+  if (m_in, h_run) != (t, h):
+    hidden = jnp.pad(hidden, ((0, m_in - t), (0, h_run - h)))
   if (n_run, h_run) != (v, h):
     pads = ((0, h_run - h), (0, n_run - v)) if hv else ((0, n_run - v), (0, h_run - h))
     weight = jnp.pad(weight, pads)
@@ -309,7 +333,10 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: i
 
 
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_run, n_run,
-          store_logits, stats, cfg: MosaicLogpConfig, out_type, draws: bool = False):
+          store_logits, stats, cfg: MosaicLogpConfig, out_type, draws: bool = False,
+          has_targets: bool = False):
+  """``extra``: the row operands after the bias and temperature: the rows' target ids
+  (``has_targets``), then the draw's two key words (``draws``)."""
   k = hidden.shape[1]
   if k % cfg.tile_k:
     raise ValueError(f"MosaicLogpConfig: tile_k ({cfg.tile_k}) must divide the hidden size "
@@ -318,7 +345,7 @@ def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_ru
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
       has_temp=temp is not None, store_logits=store_logits, stats=stats,
-      valid_vocab=valid_vocab, cfg=cfg, draws=draws)
+      valid_vocab=valid_vocab, cfg=cfg, draws=draws, has_targets=has_targets)
   name = ("lm_head_draw" if draws else "lm_head_logits" if store_logits
           else "linear_logp_tiles")
   f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop, name=name)
@@ -352,16 +379,16 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   itemsize = jnp.dtype(compute_dtype).itemsize
-  cfg = _fit(cfg, itemsize, store_logits=False, stats=True)
+  cfg = _fit(cfg, itemsize, store_logits=False, stats=True, targets=True)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
-                                      cfg.tile_m, cfg.cta_n)
+                                      cfg.tile_m, cfg.cta_n, cfg.hidden_in_place)
   tg = jnp.pad(targets.astype(jnp.int32) - jnp.int32(vocab_offset), (0, m_run - t))
   n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs  # the last CTA may hold a tile past V
   m_iters = pl.cdiv(m_run, cfg.tile_m)
   packed = _call(
       h2, w2, b2, (tg,), layout=layout, temperature=temperature,
       valid_vocab=v if valid_vocab is None else valid_vocab, m_run=m_run, n_run=n_run,
-      store_logits=False, stats=True, cfg=cfg,
+      store_logits=False, stats=True, cfg=cfg, has_targets=True,
       out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),))[0]
   m, s, u, tzp = _unpack(packed, n_tiles, t, cfg.tile_m)
   # One non-zero term per row (the owning tile's), so the sum is exact in any order.
@@ -385,24 +412,22 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
     raise TypeError(f"head_logits(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
   t = hidden2d.shape[0]
-  cfg = config or decode_config(t, hidden2d.shape[1]) or MosaicLogpConfig(tile_m=128)
+  cfg = config or decode_config(t, hidden2d.shape[1], layout) or MosaicLogpConfig(tile_m=128)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
-                                      cfg.tile_m, cfg.cta_n)
+                                      cfg.tile_m, cfg.cta_n, cfg.hidden_in_place)
   n_out = _common.round_up(n_run, 32)  # TMA: the f32 tile's smem tiling is (8, 32)
   # The padding rows' stores are clipped (see the module doc).
   m_out = mosaic_loop.stored_rows(t)
   out_type = [jax.ShapeDtypeStruct((m_out, n_out), jnp.float32)]
-  extra = ()
   if return_stats:
-    # No row's target is in any tile (tz unused): the same epilogue code as tile_partials.
-    extra = (jnp.full((m_run,), -1, jnp.int32),)
+    # No row has a target (tz unused): the same epilogue code as tile_partials.
     n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs
     m_iters = pl.cdiv(m_run, cfg.tile_m)
     out_type.append(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32))
-  outs = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,
+  outs = _call(h2, w2, b2, (), layout=layout, temperature=temperature, valid_vocab=v,
                m_run=m_run, n_run=n_run, store_logits=True,
                stats=return_stats, cfg=cfg, out_type=tuple(out_type))
   z = outs[0]
@@ -437,15 +462,16 @@ def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
   # 64-row CTAs at every row count: with the race's temporaries next to a 128-row
   # accumulator the registers spill (H100, V = 151936, H = 2048: 1.12 against 0.48 ms at
   # T = 256; 0.71 against 0.33 ms at T = 128).
-  cfg = config or decode_config(t, hidden2d.shape[1]) or MosaicLogpConfig(tile_m=64)
+  cfg = (config or decode_config(t, hidden2d.shape[1], layout, draws=True)
+         or MosaicLogpConfig(tile_m=64))
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=False, stats=True,
              draws=True)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
-                                      cfg.tile_m, cfg.cta_n)
+                                      cfg.tile_m, cfg.cta_n, cfg.hidden_in_place)
   k1, k2 = draw.row_keys(seed, jnp.arange(m_run, dtype=jnp.int32))
-  extra = (jnp.full((m_run,), -1, jnp.int32), k1, k2)
+  extra = (k1, k2)
   n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs
   m_iters = pl.cdiv(m_run, cfg.tile_m)
   packed = _call(h2, w2, b2, extra, layout=layout, temperature=temperature, valid_vocab=v,

@@ -147,16 +147,20 @@ def test_tile_m_and_walk_keep_the_bits(layout):
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 def test_logits_of_few_rows_keep_the_bits(layout):
   """The sampler's logits kernel at <= 64 rows (64-row CTAs, CTAs of one warpgroup, 128
-  hidden columns per step) gives the rows of a 300-row call (128-row CTAs): logits and
-  statistics bitwise."""
+  hidden columns per step, hidden rows read in place) gives the rows of a 300-row call
+  (128-row CTAs): logits and statistics bitwise."""
   x, _ = _wide(300)
   w = _weight(layout)
   kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16, return_stats=True)
   z, (m, s, u) = lm.logits(x, w, None, **kw)
   one = lm.MosaicLogpConfig(tile_m=64, num_wgs=1)  # CTAs of one vocab tile: the same bits
   k128 = lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)
-  for rows, config in ((1, None), (13, None), (40, None), (64, None), (1, one), (64, one),
-                       (1, k128), (40, k128)):
+  # Hidden rows read in place (TMA reads zeros past them) or, at 13 rows, padded.
+  in_place = lm.MosaicLogpConfig(tile_m=64, hidden_in_place=True)
+  in_place_k128 = lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128, hidden_in_place=True)
+  for rows, config in ((1, None), (8, None), (13, None), (40, None), (64, None), (1, one),
+                       (64, one), (1, k128), (40, k128), (1, in_place), (8, in_place),
+                       (13, in_place), (3, in_place_k128), (40, in_place_k128)):
     z2, (m2, s2, u2) = lm.logits(x[:rows], w, None, **kw, config=config)
     assert_bitwise_equal(z2, z[:rows], f"logits, {rows} rows, {config}")
     for name, a, b in zip("msu", (m2, s2, u2), (m, s, u), strict=True):

@@ -100,17 +100,25 @@ def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
 
 
 def test_lm_head_decode_rows_take_one_warpgroup_wide_k_steps():
-  """The sampler head's default at <= 64 rows (logits and draw): 64-row CTAs of one vocab
-  tile stepping 128 hidden columns where the padded H allows, else two warpgroups at 64;
-  more rows keep the two-warpgroup, 64-column config."""
+  """The sampler head's default at <= 64 rows: 64-row CTAs; the draw, and the logits of a
+  ``"vh"`` weight, take CTAs of one vocab tile stepping 128 hidden columns where the padded
+  H allows (else two warpgroups at 64); the logits of an ``"hv"`` weight take two
+  warpgroups at 64 (with the hidden rows in place). More rows keep the two-warpgroup,
+  64-column config."""
   for t, h, want in ((1, 512, (64, 1, 128)), (64, 896, (64, 1, 128)), (8, 320, (64, 2, 64)),
                      (65, 512, (128, 2, 64))):
     calls = _head_calls(t, h)
-    for name in ("logits", "draw"):
-      fn, args = calls[name]
+    x, w = S((t, h), jnp.bfloat16), S((3001, h), jnp.bfloat16)
+    vh = (lambda x, w: linear_logp_mosaic.logits(
+        x, w, None, return_stats=True, layout="vh", temperature=0.7,
+        compute_dtype=jnp.bfloat16), (x, w))
+    for name, (fn, args) in (("hv logits", calls["logits"]), ("hv draw", calls["draw"]),
+                             ("vh logits", vh)):
       (loop,) = _traced_loops(fn, *args)
       got = (loop.tile_m, loop.num_compute_wgs, loop.tile_k)
-      if t > 64 and name == "draw":  # the draw keeps 64-row CTAs at every T
+      if t > 64 and name == "hv draw":  # the draw keeps 64-row CTAs at every T
+        assert got == (64, 2, 64), (t, h)
+      elif t <= 64 and name == "hv logits":
         assert got == (64, 2, 64), (t, h)
       else:
         assert got == want, (t, h, name)
@@ -134,6 +142,35 @@ def test_decode_rows_store_no_padding_rows(t, rows):
     assert "mosaic_gpu" in module
     assert f"tensor<{rows}x{out}>" in module and f"tensor<64x{out}>" not in module, out
   assert "tensor<64x512xbf16>" in gemm.mlir_module()  # the lhs: one CTA tile of rows
+
+
+@pytest.mark.parametrize("t,in_place", [(1, True), (8, True), (13, False), (64, True)])
+def test_head_decode_reads_hidden_in_place(t, in_place):
+  """The sampler head's logits at a decode step's rows, ``"hv"`` weight: the hidden rows
+  are read in place where TMA takes them (no padded copy; 13 rows are padded),
+  and the logits' statistics take no target-id operand (no fill of -1 targets per call:
+  the kernel holds them as a constant). A ``"vh"`` weight keeps the padded rows (its
+  decode config: ``linear_logp_mosaic.decode_config``). Bits:
+  tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
+  def module(layout, shape):
+    return jax.export.export(jax.jit(lambda x, w: linear_logp_mosaic.logits(
+        x, w, None, return_stats=True, layout=layout, temperature=1.0,
+        compute_dtype=jnp.bfloat16)), platforms=["cuda"])(
+            S((t, 512), jnp.bfloat16), S(shape, jnp.bfloat16)).mlir_module()
+  hv, vh = module("hv", (512, 3072)), module("vh", (3072, 512))
+  assert "mosaic_gpu" in hv and "mosaic_gpu" in vh
+  padded = t < 64  # the only pad: H and V are TMA-aligned
+  assert ("stablehlo.pad" in hv) == (padded and not in_place), t
+  assert ("stablehlo.pad" in vh) == padded, t
+  for m in (hv, vh):
+    assert "xi32>" not in m  # no target ids
+  cfg = linear_logp_mosaic.decode_config(t, 512, "hv")
+  assert cfg.hidden_in_place and cfg.num_wgs == 2
+  assert not linear_logp_mosaic.decode_config(t, 512, "hv", draws=True).hidden_in_place
+  assert not linear_logp_mosaic.decode_config(t, 512, "vh").hidden_in_place
+  assert linear_logp_mosaic.decode_config(65, 512, "hv") is None
+  with pytest.raises(ValueError, match="hidden_in_place must be a bool"):
+    linear_logp_mosaic.MosaicLogpConfig(hidden_in_place=1)
 
 
 @pytest.mark.parametrize("t,tile_k,wgs", [(1, 128, 1), (64, 128, 1), (300, 128, 1)])
