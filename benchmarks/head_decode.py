@@ -9,8 +9,8 @@ and each row's log-prob of a drawn token.
 * ``merge deferred``: ``head_logits_partials`` and the target logit, the per-step part of
   ``nn.sample``, which merges the per-tile statistics once per chunk of steps (the merge is
   a sequential fold over the vocabulary tiles: its latency does not shrink with the rows);
-* ``stock``: ``jnp.dot(h, W, preferred_element_type=float32)``, ``jax.nn.log_softmax``,
-  the target's entry.
+* ``stock``: the float32 product ``h W`` of the same weight array (``_timing.head_product``),
+  ``jax.nn.log_softmax``, the target's entry.
 
 Timing is pipelined: ``--calls`` calls enqueued back to back (rotating over enough copies of
 ``h`` that each call reads its rows afresh), one block at the end; the ratio is stock time /

@@ -9,13 +9,13 @@ what the log-prob needs.
 * ``logits + categorical``: ``head_logits_partials`` (float32 logits with in-kernel
   statistics), ``jax.random.categorical`` on them and the token's logit: ``nn.sample``
   with ``fused_draw=False``;
-* ``stock``: ``jnp.dot(h, W)`` in float32, ``jax.random.categorical``, ``log_softmax`` at
-  the token.
+* ``stock``: the float32 product ``h W`` of the same weight array (``_timing.head_product``),
+  ``jax.random.categorical``, ``log_softmax`` at the token.
 
 Checked per shape: the head draw's log-probs (merged statistics and the token's logit) are
 bitwise ``linear_logp`` of its tokens. Timing is pipelined (``--calls`` calls enqueued back
 to back over rotating copies of ``h``, one block at the end). The floor column is the
-weight read at ``--hbm`` TB/s.
+weight read at ``--hbm`` TB/s. ``--layout vh`` takes a tied embedding's ``[V, H]`` weight.
 
     python benchmarks/head_draw.py --out benchmarks/results/head_draw_h100.md
     python benchmarks/head_draw.py --rows 4 --hidden 64 --vocab 1000 --calls 3   # smoke

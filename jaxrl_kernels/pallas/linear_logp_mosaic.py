@@ -89,9 +89,10 @@ class MosaicLogpConfig:
     tile_k: hidden columns per pipeline step, a multiple of ``TILE_K`` (the same k16
       instructions in the same order into the same accumulator, fewer waits between them;
       ``mosaic_loop``). A call whose padded H is not a multiple of it is refused by name.
-    hidden_in_place: hidden rows fewer than a CTA tile are read in place where TMA takes
-      them (``mosaic_loop.rows_in_place``): the box reads zeros past them, so no padded
-      copy of the rows is made. Otherwise they are zero-padded to the CTA tile.
+    hidden_in_place: the logits' (:func:`logits`) hidden rows, fewer than a CTA tile, are
+      read in place where TMA takes them (``mosaic_loop.rows_in_place``): the box reads
+      zeros past them, so no padded copy of the rows is made. Otherwise they are
+      zero-padded to the CTA tile. The partials and the draw refuse it by name.
   """
 
   tile_m: int = 128
@@ -127,7 +128,7 @@ class MosaicLogpConfig:
         grid_tile_width=self.grid_tile_width, tile_k=self.tile_k)
 
 
-def decode_config(rows: int, hidden: int, layout: str = "hv", *,
+def decode_config(rows: int, hidden: int, layout: str, *,
                   draws: bool = False) -> MosaicLogpConfig | None:
   """The sampler head's config at a decode step's few rows (``rows <= 64``), else None.
 
@@ -135,8 +136,8 @@ def decode_config(rows: int, hidden: int, layout: str = "hv", *,
   T = 1 and 8 (``benchmarks/results/head_decode_h100.md``):
 
   * the logits of an ``"hv"`` weight ``[H, V]``: two warpgroups (a 256-column CTA tile,
-    512-byte runs of each weight row) with the hidden rows read in place, 0-3% faster than
-    one warpgroup at H = 1536-4096 and 3% at H = 896;
+    512-byte runs of each weight row) with the hidden rows read in place: 3% faster than
+    one warpgroup at H = 896, within 1% either way at H = 1536-4096;
   * otherwise (the ``"vh"`` weight ``[V, H]``, a tied embedding, whose CTA tile is one
     contiguous block; and the draw): where the padded hidden size allows, CTAs of one vocab
     tile stepping 128 hidden columns, 1-3% faster than two warpgroups.
@@ -216,8 +217,8 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
   k1_gmem = refs.pop(0) if draws else None  # the rows' draw key words
   k2_gmem = refs.pop(0) if draws else None
   z_gmem = refs.pop(0) if store_logits else None
-  # Epilogue operands, fetched during the main loop: the rows' target ids (and draw
-  # keys), the tile's bias and the temperature row.
+  # Epilogue operands, fetched during the main loop: the rows' target ids (with
+  # has_targets), the draw keys, the tile's bias and the temperature row.
   names, operands = [], []
   for name, ref, kind in (("tg", tg_gmem, mosaic_loop.ROW), ("k1", k1_gmem, mosaic_loop.ROW),
                           ("k2", k2_gmem, mosaic_loop.ROW), ("bias", b_gmem, mosaic_loop.COL),
@@ -287,7 +288,7 @@ def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
   extra = 2 * wgs * VOCAB_TILE * 4  # bias and temperature rows
   if store_logits:
     extra += wgs * EPI_ROWS * VOCAB_TILE * 4
-  if stats:  # the rows' target ids and the packed statistics' staging tile
+  if stats:  # the rows' target ids (with targets) and the packed statistics' staging tile
     extra += wgs * ((cfg.tile_m if targets else 0) + EPI_ROWS * PACK) * 4
   if draws:  # the rows' two key words, and the packed draw's wider statistics
     extra += wgs * (2 * cfg.tile_m + EPI_ROWS * (DRAW_PACK - PACK)) * 4
@@ -303,6 +304,12 @@ def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
 def supported(compute_dtype) -> bool:
   """Whether the Mosaic forward takes this compute dtype (bf16/fp16; fp32 heads use Triton)."""
   return jnp.dtype(compute_dtype).name in ("bfloat16", "float16")
+
+
+def _no_hidden_in_place(op: str, cfg: MosaicLogpConfig) -> None:
+  if cfg.hidden_in_place:
+    raise ValueError(f"{op}(mosaic): MosaicLogpConfig.hidden_in_place is for the logits "
+                     f"(head_logits) only; {op} reads its hidden rows padded")
 
 
 def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: int,
@@ -375,13 +382,14 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
     raise TypeError(f"linear_logp(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
   cfg = config or MosaicLogpConfig()
+  _no_hidden_in_place("linear_logp", cfg)
   t = hidden2d.shape[0]
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   itemsize = jnp.dtype(compute_dtype).itemsize
   cfg = _fit(cfg, itemsize, store_logits=False, stats=True, targets=True)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
-                                      cfg.tile_m, cfg.cta_n, cfg.hidden_in_place)
+                                      cfg.tile_m, cfg.cta_n)
   tg = jnp.pad(targets.astype(jnp.int32) - jnp.int32(vocab_offset), (0, m_run - t))
   n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs  # the last CTA may hold a tile past V
   m_iters = pl.cdiv(m_run, cfg.tile_m)
@@ -464,12 +472,13 @@ def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
   # T = 256; 0.71 against 0.33 ms at T = 128).
   cfg = (config or decode_config(t, hidden2d.shape[1], layout, draws=True)
          or MosaicLogpConfig(tile_m=64))
+  _no_hidden_in_place("head_draw", cfg)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=False, stats=True,
              draws=True)
   h2, w2, b2, m_run, n_run = _prepare(hidden2d, weight, bias, layout, compute_dtype,
-                                      cfg.tile_m, cfg.cta_n, cfg.hidden_in_place)
+                                      cfg.tile_m, cfg.cta_n)
   k1, k2 = draw.row_keys(seed, jnp.arange(m_run, dtype=jnp.int32))
   extra = (k1, k2)
   n_pad = pl.cdiv(n_run, cfg.cta_n) * cfg.num_wgs

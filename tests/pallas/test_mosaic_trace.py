@@ -99,7 +99,7 @@ def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
       linear_logp_mosaic.MosaicLogpConfig(num_wgs=bad)
 
 
-def test_lm_head_decode_rows_take_one_warpgroup_wide_k_steps():
+def test_lm_head_decode_configs():
   """The sampler head's default at <= 64 rows: 64-row CTAs; the draw, and the logits of a
   ``"vh"`` weight, take CTAs of one vocab tile stepping 128 hidden columns where the padded
   H allows (else two warpgroups at 64); the logits of an ``"hv"`` weight take two
@@ -171,6 +171,13 @@ def test_head_decode_reads_hidden_in_place(t, in_place):
   assert linear_logp_mosaic.decode_config(65, 512, "hv") is None
   with pytest.raises(ValueError, match="hidden_in_place must be a bool"):
     linear_logp_mosaic.MosaicLogpConfig(hidden_in_place=1)
+  # The partials and the draw read their rows padded: the knob is refused by name there.
+  in_place = linear_logp_mosaic.MosaicLogpConfig(tile_m=64, hidden_in_place=True)
+  calls = _head_calls(t, 512, in_place)
+  for name in ("partials", "draw"):
+    fn, args = calls[name]
+    with pytest.raises(ValueError, match="hidden_in_place is for the logits"):
+      jax.eval_shape(fn, *args)
 
 
 @pytest.mark.parametrize("t,tile_k,wgs", [(1, 128, 1), (64, 128, 1), (300, 128, 1)])
