@@ -6,6 +6,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 L2_BYTES = 50 * 2**20  # H100; rotate operands so repeated runs do not hit the cache
 
@@ -65,13 +66,13 @@ def head_weight(key, hidden: int, vocab: int, layout: str, scale: float) -> jax.
   """A bf16 LM-head weight: ``[H, V]`` (``"hv"``) or a tied embedding's ``[V, H]``
   (``"vh"``), normal times ``scale``."""
   shape = (hidden, vocab) if layout == "hv" else (vocab, hidden)
-  return (jax.random.normal(key, shape, jax.numpy.float32) * scale).astype(jax.numpy.bfloat16)
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(jnp.bfloat16)
 
 
 def head_product(h: jax.Array, w: jax.Array, layout: str) -> jax.Array:
   """The stock path's float32 logits ``h W`` of a :func:`head_weight`."""
   spec = "th,hv->tv" if layout == "hv" else "th,vh->tv"
-  return jax.numpy.einsum(spec, h, w, preferred_element_type=jax.numpy.float32)
+  return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
 
 
 def bits_digest(tree) -> str:
