@@ -64,6 +64,12 @@ BACKENDS: dict[str, AttentionBackend] = {
 IMPLEMENTATIONS = (*BACKENDS, "xla")
 
 
+# Queries per call from which the kernels take grouped query heads unfolded
+# (_grouped_as_rows): a free layout knob, no output bit depends on it. At 512 queries a
+# two-warpgroup block of 128 rows per head is at least 80% full.
+UNFOLDED_MIN_QUERIES = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
   scale: float
@@ -243,6 +249,15 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
   A one-query call on the Mosaic kernel takes the heads-major form ``[B, Hkv, G, D]`` of
   the same rows instead (``attention_mosaic.forward(heads_major=True)``): a reshape of
   ``q``, no copy, and the same bits.
+
+  From ``UNFOLDED_MIN_QUERIES`` queries on (a prefill, a training row) the kernels take
+  ``q`` as it is, each program on one query head (``h // G`` selects its K/V): its
+  query blocks are full without the fold, and the fold's transposed copies of ``q``, the
+  output, ``d_out`` and ``dq`` (12% of a training layer's attention time at Qwen2.5-0.5B's
+  shapes, ``benchmarks/results/attention_h100.md``) are not made. Same output and ``dq``
+  bits (the paragraph above); ``dk``/``dv`` sum the group's query blocks head by head
+  rather than in the folded order (the Mosaic backward folds the rows itself, so its
+  gradients keep the folded call's bits).
   """
   bsz, tq, hq, d = q.shape
   hkv = k.shape[2]
@@ -254,9 +269,8 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
     out = _attention(rows, k, v, jnp.repeat(q_positions, group, axis=1), kv_lengths,
                      dataclasses.replace(st, heads_major=True))
     return out.reshape(bsz, 1, hq, d)
-  if group == 1:
+  if group == 1 or tq >= UNFOLDED_MIN_QUERIES:
     return _attention(q, k, v, q_positions, kv_lengths, st)
-  rows = q.reshape(bsz, tq, hkv, group, d).transpose(0, 1, 3, 2, 4).reshape(
-      bsz, tq * group, hkv, d)
-  out = _attention(rows, k, v, jnp.repeat(q_positions, group, axis=1), kv_lengths, st)
-  return out.reshape(bsz, tq, group, hkv, d).transpose(0, 1, 3, 2, 4).reshape(bsz, tq, hq, d)
+  out = _attention(attention_triton.fold_groups(q, group), k, v,
+                   jnp.repeat(q_positions, group, axis=1), kv_lengths, st)
+  return attention_triton.unfold_groups(out, group)

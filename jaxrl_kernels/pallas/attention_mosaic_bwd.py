@@ -32,8 +32,8 @@ are zeroed before the kernel, since ``0 * NaN`` inside a wgmma would reach every
 key's ``dK``/``dV``; keys past ``kv_len`` only reach masked (selected) terms of
 their own rows, and rows past ``S`` are TMA zero-fill.
 
-Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS``, the folded layout
-``causal_attention`` passes (query heads of a group as rows: ``Hq == Hkv``).
+Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS``, the folded layout (query heads of a
+group as rows of one head: ``Hq == Hkv``); :func:`backward` folds grouped heads into it.
 """
 
 from __future__ import annotations
@@ -445,11 +445,21 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
              config: attention_triton.BackwardConfig | None = None):
   """``(dq, dk, dv)`` by :func:`dq` and :func:`dkv` (the Triton kernels where
-  :func:`supported` says no or the head dim is not in ``BACKWARD_HEAD_DIMS``)."""
-  if (supported(q.shape, k.shape, q.dtype) is not None
+  :func:`attention_mosaic.supported` says no or the head dim is not in
+  ``BACKWARD_HEAD_DIMS``). Grouped query heads (``Hq = G * Hkv``, G > 1) reach the kernels
+  as rows of one head (``attention_triton.fold_groups``, the layout they take) and ``dq``
+  comes back unfolded: the gradients of the folded call, bit for bit."""
+  if (attention_mosaic.supported(q.shape[3], q.dtype) is not None
       or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                      scale=scale, interpret=False, config=config)
+  group = q.shape[2] // k.shape[2]
+  if group > 1:
+    fold = functools.partial(attention_triton.fold_groups, group=group)
+    dq_, dk, dv = backward(fold(q), k, v, jnp.repeat(q_positions, group, axis=1), kv_lengths,
+                           fold(out), attention_triton.fold_group_lse(lse, group),
+                           fold(d_out), scale=scale, config=config)
+    return attention_triton.unfold_groups(dq_, group), dk, dv
   cfg = config or attention_triton.default_backward_config(q.dtype, q.shape[3])
   d_out = d_out.astype(q.dtype)
   delta = attention_triton.delta_rows(out, d_out)

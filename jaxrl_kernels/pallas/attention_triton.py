@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_kernels import contract
 from jaxrl_kernels.pallas._common import LOG2E, cdiv, dot_precision, triton_compiler_params
+from jaxrl_kernels.reduce import fixed_order
 
 # The contract's forward constants (with the head-dim padding): queries per
 # program, the key tile walked in ascending order from key 0, and the compiler
@@ -401,10 +402,43 @@ def dkv_walks(q_positions, kv_lengths, *, tq: int, s_len: int, block_q: int, blo
   return jnp.stack([jnp.where(any_, lo, 0), jnp.where(any_, hi, 0)], axis=2).astype(jnp.int32)
 
 
+def fold_groups(x: jax.Array, group: int) -> jax.Array:
+  """``[B, T, Hkv * G, ...]`` as ``[B, T * G, Hkv, ...]`` (a transposed copy): row
+  ``t * G + g`` of kv head ``h`` is query ``t`` of query head ``h * G + g``. The layout in
+  which the query heads of a group are rows of one head (``causal_attention``'s GQA fold)."""
+  bsz, t, hq = x.shape[:3]
+  x = x.reshape(bsz, t, hq // group, group, *x.shape[3:])
+  return jnp.swapaxes(x, 2, 3).reshape(bsz, t * group, hq // group, *x.shape[4:])
+
+
+def unfold_groups(x: jax.Array, group: int) -> jax.Array:
+  """The inverse of :func:`fold_groups`: ``[B, T * G, Hkv, ...]`` -> ``[B, T, Hkv * G, ...]``."""
+  bsz, tg, hkv = x.shape[:3]
+  x = x.reshape(bsz, tg // group, group, hkv, *x.shape[3:])
+  return jnp.swapaxes(x, 2, 3).reshape(bsz, tg // group, hkv * group, *x.shape[4:])
+
+
+def fold_group_lse(lse: jax.Array, group: int) -> jax.Array:
+  """A logsumexp ``[B, Hkv * G, T]`` in the :func:`fold_groups` rows: ``[B, Hkv, T * G]``."""
+  bsz, hq, t = lse.shape
+  return jnp.swapaxes(lse.reshape(bsz, hq // group, group, t), 2, 3).reshape(
+      bsz, hq // group, t * group)
+
+
 def delta_rows(out, d_out):
-  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term."""
-  return jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32),
-                    precision=lax.Precision.HIGHEST)
+  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term.
+
+  Each row's products (exact in float32 for 16-bit inputs) are summed in one fixed order
+  (``reduce.fixed_order.reduce_rows``: elementwise adds XLA cannot reassociate), so a row's
+  bits depend on its own ``D`` values only. XLA's own row reduction picks its order by the
+  shape: the same rows in another layout (the GQA fold) gave other bits on an H100, and
+  with them other ``dq`` bits.
+  """
+  bsz, tq, hq, d = out.shape
+  prod = d_out.astype(jnp.float32) * out.astype(jnp.float32)
+  rows = fixed_order.reduce_rows(prod.reshape(bsz * tq * hq, d), op="sum",
+                                 lanes=contract.REDUCE_LANES, out_dtype=jnp.float32)
+  return jnp.swapaxes(rows.reshape(bsz, tq, hq), 1, 2)
 
 
 def backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,

@@ -169,8 +169,11 @@ def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None):
     z, m, s, u = sp.tile_stats_2d(z, col_ids < valid_vocab)
   else:
     z, m, s, u, e = sp.tile_stats_2d(z, col_ids < valid_vocab, with_exp=True)
-  tg = jnp.where(tg < valid_vocab, tg, -1)  # a target in a masked column has no logit here
-  tz = sp.target_logit(z, col_ids == lax.broadcast_in_dim(tg, z.shape, [0]))
+  if tg is None:  # rows without targets (the logits, the draw): no target logit to reduce
+    tz = jnp.zeros_like(m)
+  else:
+    tg = jnp.where(tg < valid_vocab, tg, -1)  # a target in a masked column has no logit here
+    tz = sp.target_logit(z, col_ids == lax.broadcast_in_dim(tg, z.shape, [0]))
   if keys is None:
     return m, s, u, tz
   k1, k2 = (lax.broadcast_in_dim(k, z.shape, [0]) for k in keys)
@@ -266,7 +269,7 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
             z_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), pl.ds(col0, VOCAB_TILE)])
       if stats:
         keys = (vecs["k1"][wg, rows], vecs["k2"][wg, rows]) if draws else None
-        tg = vecs["tg"][wg, rows] if has_targets else jnp.full((EPI_ROWS,), -1, jnp.int32)
+        tg = vecs["tg"][wg, rows] if has_targets else None
         row_stats = tile_epilogue(z, col_ids, tg, valid_vocab=valid_vocab, keys=keys)
         packed = _pack(packed, pack_ids, row_stats, c)
     if stats:

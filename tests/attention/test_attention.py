@@ -237,6 +237,68 @@ def test_group_folding_keeps_the_bits(impl, dtype, hq, hkv, tq):
     assert rel_err(x, np.asarray(y, np.float64)) <= tol, name
 
 
+@pytest.mark.parametrize("impl", ["interpret", "cpu"])
+def test_long_calls_pass_grouped_heads_unfolded(impl, monkeypatch):
+  """From api.UNFOLDED_MIN_QUERIES queries on (lowered here to 64), grouped query heads
+  reach the kernels unfolded: no transposed copy at the top level of the call (one below
+  the threshold, the control), every output and dq row with the bits of the folded kernel
+  call, dk/dv (summed head by head rather than in the folded order) equal to rounding."""
+  from jaxrl_kernels.attention import api
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  monkeypatch.setattr(api, "UNFOLDED_MIN_QUERIES", 64)
+  b, s, hq, hkv, d, dtype = 2, 70, 6, 2, 16, jnp.bfloat16
+  g = hq // hkv
+  st = api._Static(1 / np.sqrt(d), impl)
+
+  def top_level_ops(tq):
+    q, k, v = inputs(1, b, tq, s, hq, hkv, d, dtype)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: causal_attention(q, k, v, implementation=impl))
+    return {e.primitive.name for e in jaxpr(q, k, v).eqns}
+
+  assert "transpose" in top_level_ops(63)  # control: the fold's copies
+  assert "transpose" not in top_level_ops(64)
+
+  tq = 70
+  q, k, v = inputs(9, b, tq, s, hq, hkv, d, dtype, spread=3)
+  pos = jnp.asarray(np.stack([np.arange(tq), np.r_[np.arange(tq - 1), -1]]), jnp.int32)
+  kvl = jnp.array([s, 41], jnp.int32)
+
+  def public(q, k, v):
+    return causal_attention(q, k, v, q_positions=pos, kv_lengths=kvl, implementation=impl)
+
+  def folded(q, k, v):
+    out = api._attention(at.fold_groups(q, g), k, v, jnp.repeat(pos, g, axis=1), kvl, st)
+    return at.unfold_groups(out, g)
+
+  assert_bitwise_equal(jax.jit(public)(q, k, v), jax.jit(folded)(q, k, v), "output")
+  w = jax.random.normal(jax.random.key(3), q.shape).astype(dtype)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w),
+                                    argnums=(0, 1, 2)))(q, k, v)
+  (dq_u, dk_u, dv_u), (dq_f, dk_f, dv_f) = grad(public), grad(folded)
+  assert_bitwise_equal(dq_u, dq_f, "dq")
+  tol = TOL["bfloat16"][0]
+  for name, x, y in (("dk", dk_u, dk_f), ("dv", dv_u, dv_f)):
+    assert rel_err(x, np.asarray(y, np.float64)) <= tol, name
+
+
+def test_delta_rows_fixed_order():
+  """The backward's rowsum(dO * O) is written-out adds in one fixed order (no XLA reduce or
+  dot, whose order follows the shape: on an H100 the GQA-folded layout gave other bits):
+  float64 accuracy, and the folded rows' bits equal the unfolded ones'."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  o, do = (jax.random.normal(jax.random.key(i), (2, 70, 6, 64), jnp.bfloat16) for i in (0, 1))
+  module = jax.jit(at.delta_rows).lower(o, do).as_text()
+  assert "stablehlo.reduce" not in module and "dot_general" not in module
+  got = at.delta_rows(o, do)
+  want = np.einsum("bqhd,bqhd->bhq", np.asarray(do, np.float64), np.asarray(o, np.float64))
+  assert got.shape == (2, 6, 70) and got.dtype == jnp.float32
+  assert np.max(np.abs(np.asarray(got, np.float64) - want)) <= 1e-6 * np.max(np.abs(want))
+  folded = at.delta_rows(at.fold_groups(o, 3), at.fold_groups(do, 3))
+  assert_bitwise_equal(folded, at.fold_group_lse(got, 3), "folded delta")
+
+
 def test_jit_vmap_compose():
   q, k, v = inputs(8, 2, 20, 20, 2, 1, 16, jnp.float32)
   qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))

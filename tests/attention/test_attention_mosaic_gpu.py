@@ -259,6 +259,41 @@ def test_backward_routes_by_head_dim():
       assert not np.array_equal(np.asarray(g).view(np.uint16), np.asarray(o).view(np.uint16))
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(64, 14, 2), (128, 12, 2)])
+def test_long_grouped_calls_keep_the_folded_bits(d, hq, hkv):
+  """From api.UNFOLDED_MIN_QUERIES queries on, grouped heads reach the Mosaic forward
+  unfolded: every output and dq row has the bits of the folded kernel call. dK/dV: the
+  Mosaic backward (D in BACKWARD_HEAD_DIMS) folds the rows itself and keeps the folded
+  call's bits; the Triton one sums the group head by head (equal to rounding)."""
+  from jaxrl_kernels.attention import api
+
+  t, g = 600, hq // hkv
+  assert t >= api.UNFOLDED_MIN_QUERIES
+  q, k, v = inputs(6, 2, t, hq, hkv, d, jnp.bfloat16, spread=2)
+  pos, kvl = arange_pos(2, t), jnp.array([t, t - 123], jnp.int32)
+  st = api._Static(d ** -0.5, IMPL)
+
+  def public(q, k, v):
+    return attn(q, k, v, pos, kvl)
+
+  def folded(q, k, v):
+    out = api._attention(attention_triton.fold_groups(q, g), k, v,
+                         jnp.repeat(pos, g, axis=1), kvl, st)
+    return attention_triton.unfold_groups(out, g)
+
+  assert_bitwise_equal(jax.jit(public)(q, k, v), jax.jit(folded)(q, k, v), "output")
+  w = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w),
+                                    argnums=(0, 1, 2)))(q, k, v)
+  got, want = grad(public), grad(folded)
+  assert_bitwise_equal(got[0], want[0], "dq")
+  for name, x, y in (("dk", got[1], want[1]), ("dv", got[2], want[2])):
+    if d in attention_mosaic_bwd.BACKWARD_HEAD_DIMS:
+      assert_bitwise_equal(x, y, name)
+    else:
+      assert rel_err(x, np.asarray(y, np.float64)) <= TOL["bfloat16"][1], name
+
+
 def _dkv_inputs(seed, b, t, h, d, pos, kvl):
   """Folded-layout inputs of the dK/dV kernel and the float64 reference's dk, dv."""
   q, k, v = inputs(seed, b, t, h, h, d, jnp.bfloat16, spread=2)
