@@ -167,13 +167,15 @@ def test_dkv_walk_with_slots_shuffled_positions_and_split_ranges(split_rows):
 
 def test_default_backward_tiles_follow_dtype_and_head_dim(monkeypatch):
   """Without a config the backward runs default_backward_config: a 64-key dQ step and 3
-  stages for 16-bit inputs whose head dim pads to 64, the general default otherwise; those
+  stages for 16-bit inputs whose head dim pads to 64, 4096-row dK/dV ranges for 16-bit
+  inputs at D = 128, the general default otherwise; those
   tiles' gradients are the float64 reference's."""
   from jaxrl_kernels.pallas import attention_triton as at
 
   tuned = at.BackwardConfig(dq_block_k=64, num_stages=3)
   for dtype, d, want in ((jnp.bfloat16, 64, tuned), (jnp.float16, 48, tuned),
-                         (jnp.bfloat16, 128, at.BackwardConfig()),
+                         (jnp.bfloat16, 128, at.BackwardConfig(dkv_split_rows=4096)),
+                         (jnp.bfloat16, 112, at.BackwardConfig()),
                          (jnp.bfloat16, 32, at.BackwardConfig()),
                          (jnp.float32, 64, at.BackwardConfig())):
     assert at.default_backward_config(dtype, d) == want, (jnp.dtype(dtype).name, d)
