@@ -2,10 +2,12 @@
 
 The backward's gradients are deterministic for every config (no atomics; a fixed order of
 float32 partials) and are not part of the forward's bit contract, so its tiles are free to
-tune. For each shape: the folded GQA layout the library calls (``[B, T * G, Hkv, D]``), the
+tune. For each shape: the layout the library calls (``[B, T, Hq, D]``: from
+``attention.api.UNFOLDED_MIN_QUERIES`` queries on, grouped heads reach the kernels
+unfolded; ``--folded`` for the GQA-folded ``[B, T * G, Hkv, D]`` of shorter calls), the
 backward kernels alone (CUPTI device time, median), each config's gradients checked against
-the default config's (relative error), and cuDNN's fwd+bwd (``jax.nn.dot_product_attention``)
-on the unfolded shape as the anchor.
+the library default's (relative error), and cuDNN's fwd+bwd
+(``jax.nn.dot_product_attention``) on the unfolded shape as the anchor.
 
     PYTHONPATH=$PWD python benchmarks/tune_attention_bwd.py --out tune.md
 """
@@ -30,9 +32,14 @@ from jaxrl_kernels.pallas import attention_triton as at
 SHAPES = ((2, 4096, 14, 2, 64), (1, 4096, 32, 8, 64), (1, 4096, 32, 32, 128))
 
 
-def configs(quick: bool):
+def configs(quick: bool, d: int):
+  """The library's default for bf16 at head dim ``d`` first (the reference of the error
+  column), then the sweep around the general default."""
+  library = at.default_backward_config(jnp.bfloat16, d)
+  yield library
   base = at.BackwardConfig()
-  yield base
+  if base != library:
+    yield base
   grid = itertools.product((32, 64), (64, 128), (4, 8), (2, 3), (512, 1024, 2048, 1 << 30))
   for bq, bk, w, st, split in grid:
     if quick and (st != 2 or (w == 8 and bq * bk < 64 * 128)):
@@ -50,8 +57,8 @@ def fold(q, pos, group):
   return rows.reshape(b, t * group, hq // group, d), jnp.repeat(pos, group, axis=1)
 
 
-def sweep_shape(bsz: int, t: int, hq: int, hkv: int, d: int, *, quick: bool, top: int
-                ) -> list[str]:
+def sweep_shape(bsz: int, t: int, hq: int, hkv: int, d: int, *, quick: bool, top: int,
+                folded: bool = False) -> list[str]:
   """The markdown section of one shape: the ``top`` fastest configs and the default."""
   ks = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(ks[0], (bsz, t, hq, d), jnp.bfloat16)
@@ -61,8 +68,11 @@ def sweep_shape(bsz: int, t: int, hq: int, hkv: int, d: int, *, quick: bool, top
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bsz, t))
   kvl = jnp.full((bsz,), t, jnp.int32)
   scale = d ** -0.5
-  rows, rpos = fold(q, pos, hq // hkv)
-  drows, _ = fold(dout, pos, hq // hkv)
+  if folded:
+    rows, rpos = fold(q, pos, hq // hkv)
+    drows, _ = fold(dout, pos, hq // hkv)
+  else:
+    rows, rpos, drows = q, pos, dout
 
   def forward(q, k, v):
     return attention_mosaic.forward(q, k, v, rpos, kvl, scale=scale)
@@ -84,7 +94,7 @@ def sweep_shape(bsz: int, t: int, hq: int, hkv: int, d: int, *, quick: bool, top
   cudnn_all = device_ms(jax.jit(jax.grad(cudnn_loss, argnums=(0, 1, 2))), q, k, v)
   found = []
   ref = None
-  for cfg in configs(quick):
+  for cfg in configs(quick, d):
     f = backward(cfg)
     try:
       g = jax.block_until_ready(f(rows, k, v, out, lse, drows))
@@ -105,9 +115,10 @@ def sweep_shape(bsz: int, t: int, hq: int, hkv: int, d: int, *, quick: bool, top
            f"(backward ~2.5x).", "",
            "| backward ms | fwd+bwd / cuDNN | dq bq/bk | dkv bq/bk | split rows | warps | "
            "stages | rel diff vs default |", "|---|---|---|---|---|---|---|---|"]
-  default = [r for r in found if r[1] == at.BackwardConfig()]
+  library = at.default_backward_config(jnp.bfloat16, d)
+  default = [r for r in found if r[1] == library]
   for ms, c, err in [*found[:top], *default]:
-    mark = " (default)" if c == at.BackwardConfig() else ""
+    mark = " (default)" if c == library else ""
     lines.append(f"| {ms:.3f}{mark} | {(fwd_ms + ms) / cudnn_all:.2f}x | {c.dq_block_q}/"
                  f"{c.dq_block_k} | {c.dkv_block_q}/{c.dkv_block_k} | {c.dkv_split_rows} | "
                  f"{c.num_warps} | {c.num_stages} | {err:.1e} |")
@@ -119,12 +130,14 @@ def main() -> int:
   ap.add_argument("--quick", action="store_true", help="4 warps / 2 stages only")
   ap.add_argument("--top", type=int, default=8)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--folded", action="store_true",
+                  help="the GQA-folded layout of calls below UNFOLDED_MIN_QUERIES queries")
   args = ap.parse_args()
   dev = jax.devices()[0]
   lines = [f"## attention backward tiles ({dev.device_kind}; jax {jax.__version__}; "
            f"{time.strftime('%Y-%m-%d')})", ""]
   for shape in SHAPES:
-    lines += sweep_shape(*shape, quick=args.quick, top=args.top)
+    lines += sweep_shape(*shape, quick=args.quick, top=args.top, folded=args.folded)
   text = "\n".join(lines)
   print(text)
   if args.out:

@@ -235,7 +235,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
-  """The kernel call with each KV group's query heads as rows of one head.
+  """The kernel call; below ``UNFOLDED_MIN_QUERIES`` queries, with each KV group's query
+  heads as rows of one head.
 
   ``q [B, T, Hkv * G, D]`` is presented to the kernels as ``[B, T * G, Hkv, D]`` (row
   ``t * G + g`` is query ``t`` of head ``h * G + g``, at position ``q_positions[b, t]``),
@@ -252,12 +253,16 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
 
   From ``UNFOLDED_MIN_QUERIES`` queries on (a prefill, a training row) the kernels take
   ``q`` as it is, each program on one query head (``h // G`` selects its K/V): its
-  query blocks are full without the fold, and the fold's transposed copies of ``q``, the
-  output, ``d_out`` and ``dq`` (12% of a training layer's attention time at Qwen2.5-0.5B's
-  shapes, ``benchmarks/results/attention_h100.md``) are not made. Same output and ``dq``
-  bits (the paragraph above); ``dk``/``dv`` sum the group's query blocks head by head
-  rather than in the folded order (the Mosaic backward folds the rows itself, so its
-  gradients keep the folded call's bits).
+  query blocks are full without the fold, and the forward makes no transposed copy. Where
+  the Triton backward runs (every head dim but the Mosaic backward's ``D = 128``), neither
+  does the backward: the fold's four copies of ``q``, the output, ``d_out`` and ``dq``
+  were 12% of a training layer's attention time at Qwen2.5-0.5B's shapes
+  (``benchmarks/results/attention_h100.md``). The Mosaic backward takes the folded layout
+  only, so at ``D = 128`` it folds ``q``, the output and ``d_out`` and unfolds ``dq``
+  itself: the copies move from the forward into the backward, and its gradients keep the
+  folded call's bits. Same output and ``dq`` bits either way (the paragraph above); the
+  Triton ``dk``/``dv`` sum the group's query blocks head by head rather than in the
+  folded order.
   """
   bsz, tq, hq, d = q.shape
   hkv = k.shape[2]

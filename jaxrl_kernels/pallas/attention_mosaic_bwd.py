@@ -453,6 +453,9 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
       or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                      scale=scale, interpret=False, config=config)
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"causal_attention(mosaic) backward: query heads {q.shape[2]} are not a "
+                     f"multiple of kv heads {k.shape[2]}")
   group = q.shape[2] // k.shape[2]
   if group > 1:
     fold = functools.partial(attention_triton.fold_groups, group=group)

@@ -36,7 +36,8 @@ the positions; inside, a block that sees none of its keys is still skipped by a
 ``cond``, for positions that are not increasing). Long walks are cut into ranges of
 ``dkv_split_rows`` rows, one program each; the float32 partials of the ranges a key
 block uses are summed in range order by a second kernel (unused ranges are neither
-written nor read). ``delta = rowsum(dO * O)`` comes in precomputed.
+written nor read). ``delta = rowsum(dO * O)`` is computed by the dq kernel (which loads
+each row's ``dO`` anyway) and read by the dK/dV kernel.
 """
 
 from __future__ import annotations
@@ -237,8 +238,8 @@ def _probs(q, k, last, lse, key0, block_k, *, scale2, precision):
   return jnp.where(visible, jnp.exp2(s - lse[:, None]), 0.0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               tq, s_len, d, hq, group, scale, precision, block_q, block_k):
+def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, o_ref, lse_ref, dq_ref,
+               delta_ref, *, tq, s_len, d, hq, group, scale, precision, block_q, block_k):
   dp = padded_head_dim(d)
   qb = pl.program_id(0)
   b = pl.program_id(1) // hq
@@ -254,7 +255,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, do_ref, lse_ref, delta_ref
   q = _load_rows(q_ref, b, row0, block_q, h, sees, d_ok, dp)
   do = _load_rows(do_ref, b, row0, block_q, h, sees, d_ok, dp)
   lse = pltriton.load(lse_ref.at[b, h, pl.ds(row0, block_q)], mask=sees, other=0)
-  delta = pltriton.load(delta_ref.at[b, h, pl.ds(row0, block_q)], mask=sees, other=0)
+  # delta = rowsum(dO * O), here for the dK/dV kernel too: one reduction per row whose
+  # order is the tile layout's, the same for every row of every block (0 for padding rows).
+  o = _load_rows(o_ref, b, row0, block_q, h, sees, d_ok, dp)
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
+  pltriton.store(delta_ref.at[b, h, pl.ds(row0, block_q)], delta, mask=row_ok)
   block_last = jnp.max(last)
 
   def body(t, dq):
@@ -430,7 +435,8 @@ def fold_group_lse(lse: jax.Array, group: int) -> jax.Array:
 
 
 def delta_rows(out, d_out):
-  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term.
+  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term, for
+  the Mosaic backward kernels (the Triton dq kernel computes its own).
 
   Each row's products (exact in float32 for 16-bit inputs) are summed in one fixed order
   (``reduce.fixed_order.reduce_rows``: elementwise adds XLA cannot reassociate), so a row's
@@ -445,10 +451,11 @@ def delta_rows(out, d_out):
   return jnp.swapaxes(rows.reshape(bsz, tq, hq), 1, 2)
 
 
-def backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
+def backward_dq(q, k, v, q_positions, kv_lengths, out, d_out, lse, *, scale: float,
                 interpret: bool, config: BackwardConfig | None = None):
-  """``dq`` (q's dtype) from ``d_out`` (q's dtype), the forward's ``lse`` and
-  :func:`delta_rows`: ``dQ = scale dS K``."""
+  """``(dq, delta)``: ``dQ = scale dS K`` (q's dtype) from the forward's ``out`` and ``lse``
+  and ``d_out`` (q's dtype), and the ``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` float32 it
+  computed on the way (0 for rows that see no key), for the dK/dV kernel."""
   cfg = config or default_backward_config(q.dtype, q.shape[3])
   bsz, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
@@ -457,11 +464,12 @@ def backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: f
                         tq=tq, s_len=s_len, d=d, group=hq // hkv, scale=scale,
                         precision=dot_precision(q.dtype, interpret)),
       grid=(cdiv(tq, cfg.dq_block_q), bsz * hq),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((bsz, hq, tq), jnp.float32)),
       interpret=interpret,
       name="causal_attention_dq",
       **triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret),
-  )(q, k, v, q_positions, kv_lengths, d_out, lse, delta)
+  )(q, k, v, q_positions, kv_lengths, d_out, out, lse)
 
 
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
@@ -476,9 +484,8 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   s_len, hkv = k.shape[1], k.shape[2]
   group = hq // hkv
   d_out = d_out.astype(q.dtype)
-  delta = delta_rows(out, d_out)
-  dq = backward_dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
-                   interpret=interpret, config=cfg)
+  dq, delta = backward_dq(q, k, v, q_positions, kv_lengths, out, d_out, lse, scale=scale,
+                          interpret=interpret, config=cfg)
   precision = dot_precision(q.dtype, interpret)
   walks = dkv_walks(q_positions, kv_lengths, tq=tq, s_len=s_len, block_q=cfg.dkv_block_q,
                     block_k=cfg.dkv_block_k)

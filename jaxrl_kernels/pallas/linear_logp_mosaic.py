@@ -157,7 +157,9 @@ def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None):
   """Per-row ``(m, s, u, tz)`` of one float32 logits tile ``z [EPI_ROWS, VOCAB_TILE]``.
 
   ``col_ids``: int32 local column index per element; ``tg``: int32 ``[rows]``
-  local target ids (anything when not in the tile). Columns ``>= valid_vocab``
+  local target ids (anything when not in the tile), or None for rows without targets
+  (the logits, the draw): ``tz`` is then 0, the value the masked sum gives a row whose
+  target is elsewhere, without the reduction. Columns ``>= valid_vocab``
   are masked to -inf. The one definition shared by the fused kernel and the
   from-logits kernel: the same ops on the same register layout.
 

@@ -301,6 +301,19 @@ def test_delta_rows_fixed_order():
   assert_bitwise_equal(folded, at.fold_group_lse(got, 3), "folded delta")
 
 
+def test_mosaic_backward_refuses_heads_off_the_groups():
+  """The Mosaic backward folds grouped heads itself; query heads that are not a multiple
+  of the kv heads are refused by name (before any kernel), not folded wrongly."""
+  from jaxrl_kernels.pallas import attention_mosaic_bwd
+
+  z = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
+  with pytest.raises(ValueError, match="query heads 3 are not a multiple of kv heads 2"):
+    attention_mosaic_bwd.backward(z(1, 8, 3, 128), z(1, 8, 2, 128), z(1, 8, 2, 128),
+                                  jnp.zeros((1, 8), jnp.int32), jnp.full((1,), 8, jnp.int32),
+                                  z(1, 8, 3, 128), jnp.zeros((1, 3, 8)), z(1, 8, 3, 128),
+                                  scale=1.0)
+
+
 def test_jit_vmap_compose():
   q, k, v = inputs(8, 2, 20, 20, 2, 1, 16, jnp.float32)
   qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
