@@ -204,6 +204,20 @@ def test_backward_config_rejects_bad_tiles(kw):
     at.BackwardConfig(**kw)
 
 
+def _same_rows_as(f, g, q, k, v):
+  """``f`` and ``g`` (two layouts of one attention call) give the same output and dq bits;
+  dk/dv (another summation order over the group's rows) agree to rounding."""
+  assert_bitwise_equal(jax.jit(f)(q, k, v), jax.jit(g)(q, k, v), "output")
+  w = jax.random.normal(jax.random.key(3), q.shape).astype(q.dtype)
+  grad = lambda h: jax.jit(jax.grad(lambda *a: jnp.sum(h(*a).astype(jnp.float32) * w),
+                                    argnums=(0, 1, 2)))(q, k, v)
+  (dq_f, dk_f, dv_f), (dq_g, dk_g, dv_g) = grad(f), grad(g)
+  assert_bitwise_equal(dq_f, dq_g, "dq")
+  tol = TOL[jnp.dtype(q.dtype).name][0]
+  for name, x, y in (("dk", dk_f, dk_g), ("dv", dv_f, dv_g)):
+    assert rel_err(x, np.asarray(y, np.float64)) <= tol, name
+
+
 @pytest.mark.parametrize("impl", ["interpret", "cpu"])
 @pytest.mark.parametrize("dtype,hq,hkv,tq", [
     (jnp.float32, 4, 2, 70), (jnp.bfloat16, 6, 2, 70), (jnp.bfloat16, 7, 1, 1),
@@ -228,15 +242,7 @@ def test_group_folding_keeps_the_bits(impl, dtype, hq, hkv, tq):
   def unfolded(q, k, v):
     return api._attention(q, k, v, jnp.asarray(pos), jnp.asarray(kvl), st)
 
-  assert_bitwise_equal(jax.jit(folded)(q, k, v), jax.jit(unfolded)(q, k, v), "output")
-  w = jax.random.normal(jax.random.key(3), q.shape).astype(dtype)
-  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w),
-                                    argnums=(0, 1, 2)))(q, k, v)
-  (dq_f, dk_f, dv_f), (dq_u, dk_u, dv_u) = grad(folded), grad(unfolded)
-  assert_bitwise_equal(dq_f, dq_u, "dq")
-  tol = TOL[jnp.dtype(dtype).name][0]
-  for name, x, y in (("dk", dk_f, dk_u), ("dv", dv_f, dv_u)):
-    assert rel_err(x, np.asarray(y, np.float64)) <= tol, name
+  _same_rows_as(folded, unfolded, q, k, v)
 
 
 @pytest.mark.parametrize("impl", ["interpret", "cpu"])
@@ -273,15 +279,7 @@ def test_long_calls_pass_grouped_heads_unfolded(impl, monkeypatch):
     out = api._attention(at.fold_groups(q, g), k, v, jnp.repeat(pos, g, axis=1), kvl, st)
     return at.unfold_groups(out, g)
 
-  assert_bitwise_equal(jax.jit(public)(q, k, v), jax.jit(folded)(q, k, v), "output")
-  w = jax.random.normal(jax.random.key(3), q.shape).astype(dtype)
-  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w),
-                                    argnums=(0, 1, 2)))(q, k, v)
-  (dq_u, dk_u, dv_u), (dq_f, dk_f, dv_f) = grad(public), grad(folded)
-  assert_bitwise_equal(dq_u, dq_f, "dq")
-  tol = TOL["bfloat16"][0]
-  for name, x, y in (("dk", dk_u, dk_f), ("dv", dv_u, dv_f)):
-    assert rel_err(x, np.asarray(y, np.float64)) <= tol, name
+  _same_rows_as(public, folded, q, k, v)
 
 
 def test_delta_rows_fixed_order():
