@@ -3,8 +3,9 @@
 Semantics and residuals are those of ``attention_triton.backward`` (``lse`` the
 forward's base-2 logsumexp, ``delta = rowsum(dO * O)``). Gradients are run-to-run
 deterministic (no atomics; fixed orders), not part of the forward's invariance
-contract. dQ (:func:`dq`): the forward's structure (query rows per compute warpgroup,
-K/V tiles streamed from key 0; see its docstring).
+contract. dQ (:func:`dq`, run first): the forward's structure (query rows per compute
+warpgroup, K/V tiles streamed from key 0; see its docstring); it also writes ``delta`` for
+the dK/dV kernel.
 
 dK/dV kernel (:func:`dkv`): a CTA holds ``wgs * BWD_BLOCK_K`` keys of one (row, kv
 head) (``BWD_BLOCK_K = 64`` per compute warpgroup, the wgmma M) and walks query
@@ -23,7 +24,8 @@ reaches the CTA's first key (``attention_triton.dkv_walks``, in XLA from the
 positions; blocks outside see none of the CTA's keys) and is cut into ranges of
 ``split_rows`` query rows, one CTA each; the ranges that meet the walk store
 float32 partials, summed in range order by ``attention_triton.sum_ranges`` (a
-fixed chain of adds; the others are neither written nor read). Blocks in the walk
+fixed chain of adds; the others are neither written nor read). With a single range
+the kernel stores the gradients itself. Blocks in the walk
 that see none of a warpgroup's keys (non-monotone positions) add exact zeros: every
 masked term is a select.
 
@@ -76,7 +78,7 @@ def supported(q_shape, k_shape, dtype) -> str | None:
 
 def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, qend_ref,
             dk_ref, dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
-            scale2, wgs):
+            scale, scale2, wgs, direct):
   q_smem, do_smem, lse_smem, delta_smem, last_smem, k_smem2, v_smem2, out_smem2 = smem
   q_loaded, do_loaded, lse_loaded, delta_loaded, last_loaded = loaded
   k_loaded, v_loaded = kv_loaded
@@ -147,6 +149,20 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
 
     # Ascending query blocks: a fixed order of float32 accumulation.
     dk, dv = lax.fori_loop(0, n_steps, step, (zeros, zeros))
+    if direct:
+      # One range per key CTA: the gradients themselves (zeros outside the walk), as
+      # attention_triton.sum_ranges would give from the one partial (up to the sign of a
+      # zero: it adds the partial to +0).
+      out = (b, pl.ds(key0, BWD_BLOCK_K), hk)
+      out_smem[...] = (dk * jnp.float32(scale)).astype(out_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[out])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[...] = dv.astype(out_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, dv_ref.at[out])
+      plgpu.wait_smem_to_gmem(0)
+      return
     out = (split, b, pl.ds(key0, BWD_BLOCK_K), hk)
 
     # A range outside the walk is neither written nor read (attention_triton.sum_ranges).
@@ -186,11 +202,12 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
       issue(i + STAGES, slot)
 
 
-def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, ntiles_ref,
-               kvlen_ref, dq_ref, smem, loaded, row_loaded, free, *, d, scale, scale2, wgs):
-  q_smem2, do_smem2, lse_smem2, delta_smem2, last_smem2, k_smem, v_smem = smem
+def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref,
+               kvlen_ref, dq_ref, delta_ref, smem, loaded, row_loaded, free, *, d, scale, scale2,
+               wgs):
+  q_smem2, do_smem2, o_smem2, lse_smem2, delta_smem2, last_smem2, k_smem, v_smem = smem
   k_loaded, v_loaded = loaded
-  q_loaded, do_loaded, lse_loaded, delta_loaded, last_loaded = row_loaded
+  q_loaded, do_loaded, o_loaded, lse_loaded, last_loaded = row_loaded
   dtype = q_ref.dtype
   b = lax.axis_index("batch")
   hk = lax.axis_index("heads")
@@ -202,25 +219,31 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, ntiles
   @pl.when(wg < wgs)
   def _compute_wg():
     plgpu.set_max_registers(232, action="increase")
-    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    q_smem, do_smem, o_smem = q_smem2.at[wg], do_smem2.at[wg], o_smem2.at[wg]
     row0 = qb * (wgs * BWD_BLOCK_Q) + wg * BWD_BLOCK_Q
     rows = (b, pl.ds(row0, BWD_BLOCK_Q), hk)
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem, o_loaded.at[wg])
     span = pl.ds(row0, BWD_BLOCK_Q)
-    vecs = (lse_ref.at[b, hk, span], delta_ref.at[b, hk, span], last_ref.at[b, span])
-    vec_loaded = (lse_loaded, delta_loaded, last_loaded)
-    for src, dst, bar in zip(vecs, (lse_smem2, delta_smem2, last_smem2), vec_loaded,
-                             strict=True):
-      plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
-    for bar in vec_loaded:
-      plgpu.barrier_wait(bar.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, hk, span], lse_smem2.at[wg], lse_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(last_ref.at[b, span], last_smem2.at[wg], last_loaded.at[wg])
+    plgpu.barrier_wait(lse_loaded.at[wg])
+    plgpu.barrier_wait(last_loaded.at[wg])
     row = plgpu.Layout.WGMMA.reduce(1)  # a [BWD_BLOCK_Q] vector along the rows
     lse = plgpu.load(lse_smem2.at[wg], (), layout=row)
-    delta = plgpu.load(delta_smem2.at[wg], (), layout=row)
     last = plgpu.load(last_smem2.at[wg], (), layout=row)
     plgpu.barrier_wait(q_loaded.at[wg])
     plgpu.barrier_wait(do_loaded.at[wg])
+    plgpu.barrier_wait(o_loaded.at[wg])
+    # delta = rowsum(dO * O) (0 where the row sees no key), one in-register row reduction,
+    # the same for every row; written out for the dK/dV kernel.
+    d_o = plgpu.load(do_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    o = plgpu.load(o_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    delta = jnp.where(last >= 0, jnp.sum(d_o * o, axis=1), 0.0)
+    delta_smem2.at[wg][...] = delta
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(delta_smem2.at[wg], delta_ref.at[b, hk, span])
     shape = (BWD_BLOCK_Q, BWD_BLOCK_K)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
     dq = plgpu.layout_cast(jnp.full((BWD_BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -267,7 +290,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, ntiles
     q_smem[...] = (dq * jnp.float32(scale)).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0)  # and the delta store
 
   @pl.when(wg == wgs)
   def _memory_wg():
@@ -295,9 +318,18 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
 
   ``q [B, Tq, H, D]`` and ``d_out`` (q's dtype), ``k, v [B, S, H, D]`` (the folded
   layout: as many query as kv heads), ``lse`` and ``delta`` ``[B, H, Tq]`` float32
-  (the forward's residual and :func:`attention_triton.delta_rows`). ``split_rows``: query
-  rows per CTA range (a free knob of the backward; a multiple of ``BWD_BLOCK_Q``).
+  (the forward's residual and :func:`dq`'s). ``split_rows``: query
+  rows per CTA range (a free knob of the backward; a multiple of ``BWD_BLOCK_Q``). When one
+  range holds all of a row's query blocks (and k and v share a dtype), the kernel writes
+  ``dk``, ``dv`` itself; otherwise float32 partials per range, summed in range order.
   """
+  return _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
+              split_rows=split_rows, direct=None)
+
+
+def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_rows, direct):
+  """:func:`dkv`, with ``direct`` (the kernel writing the gradients; ``None``: whenever it
+  can) a choice for the tests."""
   why = supported(q.shape, k.shape, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic) backward: {why}")
@@ -338,6 +370,12 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
   n_split = cdiv(n_qb, split_blocks)
   # The ranges a CTA column writes: those meeting [qstart, qend) (none when it is empty).
   ranges = jnp.stack([qstart // split_blocks, (qend + split_blocks - 1) // split_blocks], -1)
+  can_direct = n_split == 1 and k.dtype == v.dtype
+  if direct is None:
+    direct = can_direct
+  elif direct and not can_direct:
+    raise ValueError(f"dkv: direct stores need one range ({n_split} here) and k, v of one "
+                     f"dtype ({k.dtype}, {v.dtype})")
 
   tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -350,17 +388,22 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
         plgpu.SMEM((STAGES, BWD_BLOCK_Q), jnp.int32),
         plgpu.SMEM((wgs, BWD_BLOCK_K, d), q.dtype, transforms=tile),
         plgpu.SMEM((wgs, BWD_BLOCK_K, d), q.dtype, transforms=tile),
+        plgpu.SMEM((wgs, BWD_BLOCK_K, d), k.dtype, transforms=tile) if direct else
         plgpu.SMEM((wgs, BWD_BLOCK_K, d), jnp.float32, transforms=smem_transforms(d, 4)),
     )
     loaded = tuple(plgpu.Barrier(num_barriers=STAGES) for _ in range(5))
     kv_loaded = (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs))
     free = plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES)
     kernel = functools.partial(_kernel, n_qb=n_qb, split_blocks=split_blocks,
-                               n_split=n_split, d=d, scale2=scale * LOG2E, wgs=wgs)
+                               n_split=n_split, d=d, scale=scale, scale2=scale * LOG2E,
+                               wgs=wgs, direct=direct)
     pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), scratch, loaded, kv_loaded, free,
                   collective_axes="wg")
 
-  part = jax.ShapeDtypeStruct((n_split, bsz, s_pad, h, d), jnp.float32)
+  if direct:
+    part = jax.ShapeDtypeStruct((bsz, s_pad, h, d), k.dtype)
+  else:
+    part = jax.ShapeDtypeStruct((n_split, bsz, s_pad, h, d), jnp.float32)
   dk, dv = plgpu.kernel(
       entry,
       out_type=(part, part),
@@ -371,18 +414,22 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="causal_attention_dkv_mosaic",
   )(q, d_out, k, v, lse, delta, last, qstart, qend)
+  if direct:
+    return (dk[:, :s_len], dv[:, :s_len]) if s_pad != s_len else (dk, dv)
   # The used ranges' partials in range order: one fixed chain of float32 adds per element.
   return attention_triton.sum_ranges(dk, dv, ranges, s_len=s_len, block_k=wgs * BWD_BLOCK_K,
                                      scale=scale, dtype=k.dtype, interpret=False)
 
 
-def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
-  """``dq`` (q's dtype): ``dQ = scale dS K``, per query row over ascending key tiles of
-  ``BWD_BLOCK_K`` keys from key 0 up to the tile holding its CTA's largest ``last``.
+def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
+  """``(dq, delta)``: ``dQ = scale dS K`` (q's dtype), per query row over ascending key
+  tiles of ``BWD_BLOCK_K`` keys from key 0 up to the tile holding its CTA's largest
+  ``last``, and ``delta = rowsum(dO * O)`` ``[B, H, Tq]`` float32 it computes on the way
+  (one in-register row reduction; 0 for rows that see no key) for :func:`dkv`.
 
-  Arguments as :func:`dkv`'s. A CTA holds ``2 * BWD_BLOCK_Q`` query rows (one compute
-  warpgroup each) and a memory warpgroup streams K/V tiles through a ``STAGES``-deep
-  ring; the tile holding ``kv_len`` has its K rows at or past it zeroed in shared memory
+  Arguments as :func:`dkv`'s, with the forward's ``out`` in place of ``delta``. A CTA
+  holds ``2 * BWD_BLOCK_Q`` query rows (one compute warpgroup each) and a memory
+  warpgroup streams K/V tiles through a ``STAGES``-deep ring; the tile holding ``kv_len`` has its K rows at or past it zeroed in shared memory
   before ``dS K`` (garbage past ``kv_len``: ``0 * NaN``); every masked term is a select.
   """
   why = supported(q.shape, k.shape, q.dtype)
@@ -397,13 +444,14 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
   d_out = d_out.astype(q.dtype)
+  out = out.astype(q.dtype)
   if tq_pad != tq:
     rows = ((0, 0), (0, tq_pad - tq))
     q = jnp.pad(q, (*rows, (0, 0), (0, 0)))
     d_out = jnp.pad(d_out, (*rows, (0, 0), (0, 0)))
+    out = jnp.pad(out, (*rows, (0, 0), (0, 0)))
     last = jnp.pad(last, rows, constant_values=-1)
     lse = jnp.pad(lse, ((0, 0), *rows))
-    delta = jnp.pad(delta, ((0, 0), *rows))
   s_pad = max(BWD_BLOCK_K, round_up(s_len, 8))
   if s_pad != s_len:
     pad = ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0))
@@ -414,6 +462,7 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
 
   def entry(*refs):
     scratch = (
+        plgpu.SMEM((wgs, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
         plgpu.SMEM((wgs, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
         plgpu.SMEM((wgs, BWD_BLOCK_Q, d), q.dtype, transforms=tile),
         plgpu.SMEM((wgs, BWD_BLOCK_Q), jnp.float32),
@@ -429,17 +478,20 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float):
     pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), scratch, loaded, row_loaded, free,
                   collective_axes="wg")
 
-  out = plgpu.kernel(
+  dq_, delta = plgpu.kernel(
       entry,
-      out_type=jax.ShapeDtypeStruct((bsz, tq_pad, h, d), q.dtype),
+      out_type=(jax.ShapeDtypeStruct((bsz, tq_pad, h, d), q.dtype),
+                jax.ShapeDtypeStruct((bsz, h, tq_pad), jnp.float32)),
       grid=(h, n_qb, bsz),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="causal_attention_dq_mosaic",
-  )(q, d_out, k, v, lse, delta, last, n_tiles.astype(jnp.int32), kv_len)
-  return out[:, :tq] if tq_pad != tq else out
+  )(q, d_out, k, v, lse, out, last, n_tiles.astype(jnp.int32), kv_len)
+  if tq_pad != tq:
+    return dq_[:, :tq], delta[:, :, :tq]
+  return dq_, delta
 
 
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
@@ -465,8 +517,7 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
     return attention_triton.unfold_groups(dq_, group), dk, dv
   cfg = config or attention_triton.default_backward_config(q.dtype, q.shape[3])
   d_out = d_out.astype(q.dtype)
-  delta = attention_triton.delta_rows(out, d_out)
-  dq_ = dq(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale)
+  dq_, delta = dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, scale=scale)
   dk, dv = dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
                split_rows=cfg.dkv_split_rows)
   return dq_, dk, dv

@@ -435,8 +435,9 @@ def fold_group_lse(lse: jax.Array, group: int) -> jax.Array:
 
 
 def delta_rows(out, d_out):
-  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term, for
-  the Mosaic backward kernels (the Triton dq kernel computes its own).
+  """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term, in
+  XLA (the dq kernels, Triton's and Mosaic's, compute their own for the dK/dV kernel; this
+  feeds a dK/dV kernel on its own, as its tests do).
 
   Each row's products (exact in float32 for 16-bit inputs) are summed in one fixed order
   (``reduce.fixed_order.reduce_rows``: elementwise adds XLA cannot reassociate), so a row's

@@ -248,9 +248,8 @@ def test_backward_routes_by_head_dim():
     got = attention_mosaic_bwd.backward(q, k, v, pos, kvl, out, lse, d_out, scale=d ** -0.5)
     tri = attention_triton.backward(q, k, v, pos, kvl, out, lse, d_out, scale=d ** -0.5,
                                     interpret=False)
-    delta = attention_triton.delta_rows(out, d_out)
-    mos = (attention_mosaic_bwd.dq(q, k, v, pos, kvl, d_out, lse, delta, scale=d ** -0.5),
-           *attention_mosaic_bwd.dkv(q, k, v, pos, kvl, d_out, lse, delta, scale=d ** -0.5))
+    dq, delta = attention_mosaic_bwd.dq(q, k, v, pos, kvl, d_out, lse, out, scale=d ** -0.5)
+    mos = (dq, *attention_mosaic_bwd.dkv(q, k, v, pos, kvl, d_out, lse, delta, scale=d ** -0.5))
     want = mos if d in attention_mosaic_bwd.BACKWARD_HEAD_DIMS else tri
     other = tri if d in attention_mosaic_bwd.BACKWARD_HEAD_DIMS else mos
     for name, g, w, o in zip("qkv", got, want, other):
@@ -328,6 +327,24 @@ def test_dkv_kernel_matches_float64_for_every_range_split(d, t):
     assert rel_err(a, c) <= 1e-2, name
 
 
+@pytest.mark.parametrize("d,t", [(64, 777), (128, 300), (128, 1000)])
+def test_dkv_direct_stores_equal_the_one_range_sum(d, t):
+  """With one range of query rows per key CTA the kernel writes dk and dv itself: the
+  values of the float32 partial summed by attention_triton.sum_ranges (which adds it to
+  +0, so only the sign of a zero may differ), zeros for keys past kv_len (no walk)."""
+  pos = arange_pos(2, t)
+  kvl = jnp.array([t, t - 123], jnp.int32)
+  args, scale, _ = _dkv_inputs(19, 2, t, 2, d, pos, kvl)
+  run = {direct: jax.jit(lambda *a, direct=direct: attention_mosaic_bwd._dkv(
+      *a, scale=scale, split_rows=4096, direct=direct))(*args) for direct in (True, False)}
+  for name, a, c in zip(("dk", "dv"), run[True], run[False], strict=True):
+    a32, c32 = np.asarray(a, np.float32), np.asarray(c, np.float32)
+    assert np.array_equal(a32, c32), name
+    assert not np.any(a32[1, t - 123:]), f"{name} past kv_len"
+  with pytest.raises(ValueError, match="direct stores need one range"):
+    attention_mosaic_bwd._dkv(*args, scale=scale, split_rows=128, direct=True)
+
+
 def test_dkv_kernel_packed_positions_and_nan_padding():
   """Positions that restart mid-row (queries 300-549 at positions 0-249 see keys 0-249
   again; non-monotone), then padding at -1: the walk starts at the first block reaching a
@@ -355,22 +372,31 @@ def test_dkv_kernel_packed_positions_and_nan_padding():
 @pytest.mark.parametrize("d,t", [(64, 777), (128, 300)])
 def test_dq_kernel_matches_float64_and_ignores_garbage_keys(d, t):
   """dQ within the gradient tolerance of float64 (T off the tiles, a shorter kv_len), run to
-  run bitwise; NaN in K and V rows past kv_len (a cache's garbage) changes no bit of dQ,
-  dK or dV."""
+  run bitwise; its delta = rowsum(dO * O) within float32 rounding of delta_rows; NaN in K
+  and V rows past kv_len (a cache's garbage) changes no bit of dQ, delta, dK or dV."""
   pos = arange_pos(2, t)
   kvl = jnp.array([t, t - 123], jnp.int32)
   args, scale, _ = _dkv_inputs(7, 2, t, 2, d, pos, kvl)
   _, (dq_ref, _, _) = reference64(*args[:5], scale, args[5])
+  q, k, v, _, _, d_out, lse, delta_ref = args
+  out, _ = attention_mosaic.forward(q, k, v, pos, kvl, scale=scale)
   f = jax.jit(lambda *a: attention_mosaic_bwd.dq(*a, scale=scale))
-  got = f(*args)
-  assert_bitwise_equal(got, f(*args), "dq run to run")
+  dq_args = (*args[:7], out)
+  got, delta = f(*dq_args)
+  assert_bitwise_equal(got, f(*dq_args)[0], "dq run to run")
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
   assert rel_err(got, dq_ref) <= TOL["bfloat16"][1]
+  assert delta.shape == delta_ref.shape
+  assert rel_err(delta, np.asarray(delta_ref, np.float64)) <= 1e-6
   past = (jnp.arange(t)[None, :] >= kvl[:, None])[:, :, None, None]
+  dirty = list(dq_args)
+  for i in (1, 2):
+    dirty[i] = jnp.where(past, jnp.nan, args[i]).astype(args[i].dtype)
+  for name, a, c in zip(("dq", "delta"), f(*dirty), (got, delta), strict=True):
+    assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len")
   dirty = list(args)
   for i in (1, 2):
     dirty[i] = jnp.where(past, jnp.nan, args[i]).astype(args[i].dtype)
-  assert_bitwise_equal(f(*dirty), got, "dq with NaN keys past kv_len")
   g = jax.jit(lambda *a: attention_mosaic_bwd.dkv(*a, scale=scale, split_rows=256))
   for name, a, c in zip(("dk", "dv"), g(*dirty), g(*args), strict=True):
     assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len")
