@@ -429,8 +429,9 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
 
   Arguments as :func:`dkv`'s, with the forward's ``out`` in place of ``delta``. A CTA
   holds ``2 * BWD_BLOCK_Q`` query rows (one compute warpgroup each) and a memory
-  warpgroup streams K/V tiles through a ``STAGES``-deep ring; the tile holding ``kv_len`` has its K rows at or past it zeroed in shared memory
-  before ``dS K`` (garbage past ``kv_len``: ``0 * NaN``); every masked term is a select.
+  warpgroup streams K/V tiles through a ``STAGES``-deep ring; the tile holding ``kv_len``
+  has its K rows at or past it zeroed in shared memory before ``dS K`` (garbage past
+  ``kv_len``: ``0 * NaN``); every masked term is a select.
   """
   why = supported(q.shape, k.shape, q.dtype)
   if why is not None:
