@@ -253,16 +253,12 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
 
   From ``UNFOLDED_MIN_QUERIES`` queries on (a prefill, a training row) the kernels take
   ``q`` as it is, each program on one query head (``h // G`` selects its K/V): its
-  query blocks are full without the fold, and the forward makes no transposed copy. Where
-  the Triton backward runs (every head dim but the Mosaic backward's ``D = 128``), neither
-  does the backward: the fold's four copies of ``q``, the output, ``d_out`` and ``dq``
-  were 12% of a training layer's attention time at Qwen2.5-0.5B's shapes
-  (``benchmarks/results/attention_h100.md``). The Mosaic backward takes the folded layout
-  only, so at ``D = 128`` it folds ``q``, the output and ``d_out`` and unfolds ``dq``
-  itself: the copies move from the forward into the backward, and its gradients keep the
-  folded call's bits. Same output and ``dq`` bits either way (the paragraph above); the
-  Triton ``dk``/``dv`` sum the group's query blocks head by head rather than in the
-  folded order.
+  query blocks are full without the fold, and the forward makes no transposed copy;
+  neither does either backward: the fold's four copies of ``q``, the output, ``d_out`` and
+  ``dq`` were 12% of a training layer's attention time at Qwen2.5-0.5B's shapes
+  (``benchmarks/results/attention_h100.md``). Same output and ``dq`` bits either way (the
+  paragraph above); ``dk``/``dv`` sum the group's query blocks head by head rather than
+  in the folded order.
   """
   bsz, tq, hq, d = q.shape
   hkv = k.shape[2]

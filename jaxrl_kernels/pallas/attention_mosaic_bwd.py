@@ -34,8 +34,9 @@ are zeroed before the kernel, since ``0 * NaN`` inside a wgmma would reach every
 key's ``dK``/``dV``; keys past ``kv_len`` only reach masked (selected) terms of
 their own rows, and rows past ``S`` are TMA zero-fill.
 
-Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS``, the folded layout (query heads of a
-group as rows of one head: ``Hq == Hkv``); :func:`backward` folds grouped heads into it.
+Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS``, ``Hq`` a multiple of ``Hkv`` (grouped
+heads as they are: a dQ CTA reads its query head's kv head; a dK/dV CTA walks each query
+block once per head of its group).
 """
 
 from __future__ import annotations
@@ -71,14 +72,14 @@ def supported(q_shape, k_shape, dtype) -> str | None:
   why = attention_mosaic.supported(q_shape[3], dtype)
   if why is not None:
     return why
-  if q_shape[2] != k_shape[2]:
-    return f"query heads {q_shape[2]} != kv heads {k_shape[2]} (not the folded layout)"
+  if q_shape[2] % k_shape[2]:
+    return f"query heads {q_shape[2]} are not a multiple of kv heads {k_shape[2]}"
   return None
 
 
 def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, qend_ref,
             dk_ref, dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
-            scale, scale2, wgs, direct):
+            scale, scale2, wgs, direct, group):
   q_smem, do_smem, lse_smem, delta_smem, last_smem, k_smem2, v_smem2, out_smem2 = smem
   q_loaded, do_loaded, lse_loaded, delta_loaded, last_loaded = loaded
   k_loaded, v_loaded = kv_loaded
@@ -93,7 +94,8 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
   # that sees its keys.
   first = jnp.maximum(split * split_blocks, qstart_ref[b, kc])
   end = jnp.minimum(jnp.minimum((split + 1) * split_blocks, n_qb), qend_ref[b, kc])
-  n_steps = jnp.maximum(end - first, 0)
+  # Each block once per query head of the kv head's group (the heads inner).
+  n_steps = jnp.maximum(end - first, 0) * group
 
   @pl.when(wg < wgs)
   def _compute_wg():
@@ -182,12 +184,13 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
     plgpu.set_max_registers(40, action="decrease")
 
     def issue(i, slot):
-      rows = pl.ds((first + i) * BWD_BLOCK_Q, BWD_BLOCK_Q)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_smem.at[slot], q_loaded.at[slot])
+      rows = pl.ds((first + lax.div(i, jnp.int32(group))) * BWD_BLOCK_Q, BWD_BLOCK_Q)
+      hq = hk * group + lax.rem(i, jnp.int32(group))
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hq], q_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(last_ref.at[b, rows], last_smem.at[slot], last_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[b, hk, rows], lse_smem.at[slot], lse_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, hk], do_smem.at[slot], do_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, hk, rows], delta_smem.at[slot],
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, hq, rows], lse_smem.at[slot], lse_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, hq], do_smem.at[slot], do_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, hq, rows], delta_smem.at[slot],
                               delta_loaded.at[slot])
 
     # Loops, not Python unrolls: block starts stay traced values.
@@ -204,13 +207,14 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
 
 def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref,
                kvlen_ref, dq_ref, delta_ref, smem, loaded, row_loaded, free, *, d, scale, scale2,
-               wgs):
+               wgs, group):
   q_smem2, do_smem2, o_smem2, lse_smem2, delta_smem2, last_smem2, k_smem, v_smem = smem
   k_loaded, v_loaded = loaded
   q_loaded, do_loaded, o_loaded, lse_loaded, last_loaded = row_loaded
   dtype = q_ref.dtype
   b = lax.axis_index("batch")
-  hk = lax.axis_index("heads")
+  hk = lax.axis_index("heads")  # the query head; K and V of its group's kv head
+  hkv = lax.div(hk, jnp.int32(group))
   qb = lax.axis_index("q_seq")
   wg = lax.axis_index("wg")
   n_tiles = ntiles_ref[b, qb]  # key tiles up to the one holding the CTA's largest `last`
@@ -297,7 +301,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref
     plgpu.set_max_registers(40, action="decrease")
 
     def issue(t, slot):
-      window = (b, pl.ds(t * BWD_BLOCK_K, BWD_BLOCK_K), hk)
+      window = (b, pl.ds(t * BWD_BLOCK_K, BWD_BLOCK_K), hkv)
       plgpu.copy_gmem_to_smem(k_ref.at[window], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[window], v_smem.at[slot], v_loaded.at[slot])
 
@@ -316,12 +320,14 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
         split_rows: int = 2048):
   """``(dk, dv)`` in k's and v's dtypes: ``dK = scale dS^T Q``, ``dV = P^T dO``.
 
-  ``q [B, Tq, H, D]`` and ``d_out`` (q's dtype), ``k, v [B, S, H, D]`` (the folded
-  layout: as many query as kv heads), ``lse`` and ``delta`` ``[B, H, Tq]`` float32
-  (the forward's residual and :func:`dq`'s). ``split_rows``: query
-  rows per CTA range (a free knob of the backward; a multiple of ``BWD_BLOCK_Q``). When one
-  range holds all of a row's query blocks (and k and v share a dtype), the kernel writes
-  ``dk``, ``dv`` itself; otherwise float32 partials per range, summed in range order.
+  ``q [B, Tq, Hq, D]`` and ``d_out`` (q's dtype), ``k, v [B, S, Hkv, D]`` (``Hq = G *
+  Hkv``; query head ``h`` reads kv head ``h // G``), ``lse`` and ``delta`` ``[B, Hq, Tq]``
+  float32 (the forward's residual and :func:`dq`'s). A key CTA walks each query block once
+  per query head of its group (the heads inner). ``split_rows``: query rows of all the
+  group's heads per CTA range (a free knob of the backward; a multiple of ``BWD_BLOCK_Q``):
+  ``max(1, split_rows // (BWD_BLOCK_Q * G))`` blocks of each head. When one range holds all
+  of a row's query blocks (and k and v share a dtype), the kernel writes ``dk``, ``dv``
+  itself; otherwise float32 partials per range, summed in range order.
   """
   return _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
               split_rows=split_rows, direct=None)
@@ -336,8 +342,9 @@ def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_ro
   if split_rows < BWD_BLOCK_Q or split_rows % BWD_BLOCK_Q:
     raise ValueError(f"dkv: split_rows must be a positive multiple of {BWD_BLOCK_Q}, got "
                      f"{split_rows}")
-  bsz, tq, h, d = q.shape
-  s_len = k.shape[1]
+  bsz, tq, hq, d = q.shape
+  s_len, h = k.shape[1], k.shape[2]
+  group = hq // h
   wgs = NUM_COMPUTE_WGS
   n_qb = cdiv(tq, BWD_BLOCK_Q)
   tq_pad = n_qb * BWD_BLOCK_Q
@@ -366,7 +373,7 @@ def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_ro
                                      s_len=s_len, block_q=BWD_BLOCK_Q,
                                      block_k=wgs * BWD_BLOCK_K)
   qstart, qend = walks[..., 0], walks[..., 1]
-  split_blocks = split_rows // BWD_BLOCK_Q
+  split_blocks = max(1, split_rows // (BWD_BLOCK_Q * group))  # of each head
   n_split = cdiv(n_qb, split_blocks)
   # The ranges a CTA column writes: those meeting [qstart, qend) (none when it is empty).
   ranges = jnp.stack([qstart // split_blocks, (qend + split_blocks - 1) // split_blocks], -1)
@@ -396,7 +403,7 @@ def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_ro
     free = plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES)
     kernel = functools.partial(_kernel, n_qb=n_qb, split_blocks=split_blocks,
                                n_split=n_split, d=d, scale=scale, scale2=scale * LOG2E,
-                               wgs=wgs, direct=direct)
+                               wgs=wgs, direct=direct, group=group)
     pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), scratch, loaded, kv_loaded, free,
                   collective_axes="wg")
 
@@ -475,7 +482,8 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
     loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES))
     row_loaded = tuple(plgpu.Barrier(num_barriers=wgs) for _ in range(5))
     free = plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES)
-    kernel = functools.partial(_dq_kernel, d=d, scale=scale, scale2=scale * LOG2E, wgs=wgs)
+    kernel = functools.partial(_dq_kernel, d=d, scale=scale, scale2=scale * LOG2E, wgs=wgs,
+                               group=h // k.shape[2])
     pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), scratch, loaded, row_loaded, free,
                   collective_axes="wg")
 
@@ -499,9 +507,9 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
              config: attention_triton.BackwardConfig | None = None):
   """``(dq, dk, dv)`` by :func:`dq` and :func:`dkv` (the Triton kernels where
   :func:`attention_mosaic.supported` says no or the head dim is not in
-  ``BACKWARD_HEAD_DIMS``). Grouped query heads (``Hq = G * Hkv``, G > 1) reach the kernels
-  as rows of one head (``attention_triton.fold_groups``, the layout they take) and ``dq``
-  comes back unfolded: the gradients of the folded call, bit for bit."""
+  ``BACKWARD_HEAD_DIMS``). Grouped query heads (``Hq = G * Hkv``) reach the kernels as
+  they are: dQ and delta are per query row (the bits of the same rows in the folded
+  layout); each key CTA walks its group's heads (dK, dV sums in that order)."""
   if (attention_mosaic.supported(q.shape[3], q.dtype) is not None
       or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
@@ -509,13 +517,6 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"causal_attention(mosaic) backward: query heads {q.shape[2]} are not a "
                      f"multiple of kv heads {k.shape[2]}")
-  group = q.shape[2] // k.shape[2]
-  if group > 1:
-    fold = functools.partial(attention_triton.fold_groups, group=group)
-    dq_, dk, dv = backward(fold(q), k, v, jnp.repeat(q_positions, group, axis=1), kv_lengths,
-                           fold(out), attention_triton.fold_group_lse(lse, group),
-                           fold(d_out), scale=scale, config=config)
-    return attention_triton.unfold_groups(dq_, group), dk, dv
   cfg = config or attention_triton.default_backward_config(q.dtype, q.shape[3])
   d_out = d_out.astype(q.dtype)
   dq_, delta = dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, scale=scale)

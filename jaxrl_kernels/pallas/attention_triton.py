@@ -427,13 +427,6 @@ def unfold_groups(x: jax.Array, group: int) -> jax.Array:
   return jnp.swapaxes(x, 2, 3).reshape(bsz, tg // group, hkv * group, *x.shape[4:])
 
 
-def fold_group_lse(lse: jax.Array, group: int) -> jax.Array:
-  """A logsumexp ``[B, Hkv * G, T]`` in the :func:`fold_groups` rows: ``[B, Hkv, T * G]``."""
-  bsz, hq, t = lse.shape
-  return jnp.swapaxes(lse.reshape(bsz, hq // group, group, t), 2, 3).reshape(
-      bsz, hq // group, t * group)
-
-
 def delta_rows(out, d_out):
   """``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` in float32, the backward's per-row term, in
   XLA (the dq kernels, Triton's and Mosaic's, compute their own for the dK/dV kernel; this

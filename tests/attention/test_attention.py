@@ -296,12 +296,14 @@ def test_delta_rows_fixed_order():
   assert got.shape == (2, 6, 70) and got.dtype == jnp.float32
   assert np.max(np.abs(np.asarray(got, np.float64) - want)) <= 1e-6 * np.max(np.abs(want))
   folded = at.delta_rows(at.fold_groups(o, 3), at.fold_groups(do, 3))
-  assert_bitwise_equal(folded, at.fold_group_lse(got, 3), "folded delta")
+  # The same rows in the folded order: [B, Hkv, G, T] -> [B, Hkv, T * G].
+  assert_bitwise_equal(folded, jnp.swapaxes(got.reshape(2, 2, 3, 70), 2, 3).reshape(2, 2, 210),
+                       "folded delta")
 
 
 def test_mosaic_backward_refuses_heads_off_the_groups():
-  """The Mosaic backward folds grouped heads itself; query heads that are not a multiple
-  of the kv heads are refused by name (before any kernel), not folded wrongly."""
+  """The Mosaic backward takes grouped heads as they are; query heads that are not a
+  multiple of the kv heads are refused by name (before any kernel), not read wrongly."""
   from jaxrl_kernels.pallas import attention_mosaic_bwd
 
   z = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
@@ -592,28 +594,33 @@ def test_mosaic_lanes_need_one_block_and_d64():
                              lanes=3)
 
 
-@pytest.mark.parametrize("b,tq,s_len,d", [(2, 1000, 1000, 64), (1, 300, 77, 128)])
-def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d):
+@pytest.mark.parametrize("b,tq,s_len,d,hq", [(2, 1000, 1000, 64, 2), (1, 300, 77, 128, 2),
+                                            (1, 700, 700, 128, 6)])
+def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d, hq):
   """The Mosaic dK/dV and dQ kernels lower to a CUDA module on any machine (Mosaic builds
   its TMA descriptors and register layouts while lowering, so a layout it rejects fails
-  here); their gradients are tested on a Hopper GPU (test_attention_mosaic_gpu.py)."""
+  here), grouped heads (hq > 2 kv heads) as they are; dK/dV with several ranges of query
+  rows (partials summed by a Triton kernel) and with one (the kernel stores them); their
+  gradients are tested on a Hopper GPU (test_attention_mosaic_gpu.py)."""
   from jaxrl_kernels.pallas import attention_mosaic_bwd
   bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
   sd = jax.ShapeDtypeStruct
-  args = (sd((b, tq, 2, d), bf16), sd((b, s_len, 2, d), bf16), sd((b, s_len, 2, d), bf16),
-          sd((b, tq), i32), sd((b,), i32), sd((b, tq, 2, d), bf16), sd((b, 2, tq), f32),
-          sd((b, 2, tq), f32))
-  fn = jax.jit(functools.partial(attention_mosaic_bwd.dkv, scale=d ** -0.5, split_rows=256))
-  # dK/dV's partials are summed by a Triton kernel (attention_triton.sum_ranges).
+  kv = sd((b, s_len, 2, d), bf16)
+  rows = sd((b, tq, hq, d), bf16)
+  args = (rows, kv, kv, sd((b, tq), i32), sd((b,), i32), rows, sd((b, hq, tq), f32))
   triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[triton_call])(*args)
-  assert [a.shape for a in exported.out_avals] == [(b, s_len, 2, d)] * 2
-  assert "mosaic_gpu" in exported.mlir_module()
-  assert "causal_attention_dkv_sum" in exported.mlir_module()
+  for split, summed in ((256, True), (8192, False)):
+    fn = jax.jit(functools.partial(attention_mosaic_bwd.dkv, scale=d ** -0.5, split_rows=split))
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[triton_call])(
+        *args, sd((b, hq, tq), f32))
+    assert [a.shape for a in exported.out_avals] == [(b, s_len, 2, d)] * 2
+    assert "mosaic_gpu" in exported.mlir_module()
+    assert ("causal_attention_dkv_sum" in exported.mlir_module()) == summed, split
   fn = jax.jit(functools.partial(attention_mosaic_bwd.dq, scale=d ** -0.5))
-  exported = jax.export.export(fn, platforms=["cuda"])(*args)
-  assert [a.shape for a in exported.out_avals] == [(b, tq, 2, d)]
+  exported = jax.export.export(fn, platforms=["cuda"])(*args, rows)
+  assert [a.shape for a in exported.out_avals] == [(b, tq, hq, d), (b, hq, tq)]
   assert "mosaic_gpu" in exported.mlir_module()
-  with pytest.raises(ValueError, match="not the folded layout"):
+  with pytest.raises(ValueError, match="query heads 3 are not a multiple of kv heads 2"):
     attention_mosaic_bwd.dkv(*(jnp.zeros(a.shape, a.dtype) for a in
-                               (sd((b, tq, 4, d), bf16), *args[1:])), scale=1.0)
+                               (sd((b, tq, 3, d), bf16), *args[1:], sd((b, 3, tq), f32))),
+                             scale=1.0)
