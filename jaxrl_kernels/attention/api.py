@@ -257,8 +257,9 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
   neither does either backward: the fold's four copies of ``q``, the output, ``d_out`` and
   ``dq`` were 12% of a training layer's attention time at Qwen2.5-0.5B's shapes
   (``benchmarks/results/attention_h100.md``). Same output and ``dq`` bits either way (the
-  paragraph above); ``dk``/``dv`` sum the group's query blocks head by head rather than
-  in the folded order.
+  paragraph above); ``dk``/``dv`` sum the group's rows in another order than the folded
+  one (the Triton backward head by head, the Mosaic one block by block with the heads
+  inner).
   """
   bsz, tq, hq, d = q.shape
   hkv = k.shape[2]

@@ -21,8 +21,10 @@ the columns):
 with ``P^T`` and ``dS^T`` cast to the input dtype in registers as the wgmma lhs.
 The walk runs from the first to the last query block whose largest ``last``
 reaches the CTA's first key (``attention_triton.dkv_walks``, in XLA from the
-positions; blocks outside see none of the CTA's keys) and is cut into ranges of
-``split_rows`` query rows, one CTA each; the ranges that meet the walk store
+positions; blocks outside see none of the CTA's keys), each block once per query head
+of the kv head's group (heads inner), and is cut into ranges of ``split_rows`` query rows
+of all the group's heads (``max(1, split_rows // (BWD_BLOCK_Q * G))`` blocks of each
+head), one CTA each; the ranges that meet the walk store
 float32 partials, summed in range order by ``attention_triton.sum_ranges`` (a
 fixed chain of adds; the others are neither written nor read). With a single range
 the kernel stores the gradients itself. Blocks in the walk
@@ -61,9 +63,10 @@ NUM_COMPUTE_WGS = 2
 STAGES = 2
 # Head dims whose backward runs these kernels; others run the Triton backward (a free
 # choice: gradients are deterministic either way). Measured on an H100
-# (benchmarks/results/attention_h100.md): D = 128, 32 heads, T = 4096: fwd+bwd 1.53 ms vs
+# (benchmarks/results/attention_h100.md): D = 128, 32 heads, T = 4096: fwd+bwd 1.31 ms vs
 # Triton's 2.20; D = 64 with grouped heads at the training step's document slots
-# (Qwen2.5-0.5B, Llama-3.2-1B): 0.909 vs 0.893 ms and 1.972 vs 1.868 ms.
+# (Qwen2.5-0.5B, Llama-3.2-1B): 0.898 vs 0.739 ms and 1.933 vs 1.529 ms (measured while
+# this backward still folded grouped heads; not measured since).
 BACKWARD_HEAD_DIMS = (128,)
 
 

@@ -76,9 +76,10 @@ class BackwardConfig:
     dq_block_q, dq_block_k: query rows per dQ program and its key step.
     dkv_block_q, dkv_block_k: query step and key rows per dK/dV program.
     dkv_split_rows: query rows (of all the group's heads) per dK/dV program: a key
-      block's rows are cut into ``ceil(G * Tq / dkv_split_rows)`` ranges, one program
-      each, whose float32 partials are summed in range order (more programs for the
-      long causal walks of few heads; the order is fixed by the shape).
+      block's rows are cut into ``ceil(G * Tq / dkv_split_rows)`` ranges (the Mosaic
+      kernel: ranges of ``max(1, dkv_split_rows // (64 G))`` query blocks of each head),
+      one program each, whose float32 partials are summed in range order (more programs
+      for the long causal walks of few heads; the order is fixed by the shape).
     num_warps, num_stages: Triton compiler parameters.
 
   Without a config the kernels take :func:`default_backward_config` of the inputs' dtype and

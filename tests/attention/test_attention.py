@@ -283,8 +283,8 @@ def test_long_calls_pass_grouped_heads_unfolded(impl, monkeypatch):
 
 
 def test_delta_rows_fixed_order():
-  """The backward's rowsum(dO * O) is written-out adds in one fixed order (no XLA reduce or
-  dot, whose order follows the shape: on an H100 the GQA-folded layout gave other bits):
+  """rowsum(dO * O) in XLA is written-out adds in one fixed order (no XLA reduce or dot,
+  whose order follows the shape: on an H100 the GQA-folded layout gave other bits):
   float64 accuracy, and the folded rows' bits equal the unfolded ones'."""
   from jaxrl_kernels.pallas import attention_triton as at
 

@@ -239,7 +239,8 @@ def test_default_and_routing():
 
 def test_backward_routes_by_head_dim():
   """The backward runs the Mosaic kernels at a head dim of BACKWARD_HEAD_DIMS and the
-  Triton backward otherwise: bitwise equal to the chosen kernels, on the folded layout."""
+  Triton backward otherwise: bitwise equal to the chosen kernels (as many query as kv
+  heads)."""
   for d in (64, 128):
     q, k, v = inputs(4, 2, 200, HQ, HQ, d, jnp.bfloat16, spread=2)
     pos, kvl = arange_pos(2, 200), jnp.array([200, 131], jnp.int32)
@@ -262,8 +263,8 @@ def test_backward_routes_by_head_dim():
 def test_long_grouped_calls_keep_the_folded_bits(d, hq, hkv):
   """From api.UNFOLDED_MIN_QUERIES queries on, grouped heads reach the Mosaic forward
   unfolded: every output and dq row has the bits of the folded kernel call (both backwards
-  take the grouped heads as they are; dQ and delta are per row). dK/dV sum the group head
-  by head: equal to the folded call's to rounding."""
+  take the grouped heads as they are; dQ and delta are per row). dK/dV sum the group's rows
+  in another order: equal to the folded call's to rounding."""
   from jaxrl_kernels.attention import api
 
   t, g = 600, hq // hkv
@@ -306,13 +307,14 @@ def _dkv_inputs(seed, b, t, h, d, pos, kvl, hkv=None):
 def test_dkv_kernel_matches_float64_for_every_range_split(d, t, h, hkv):
   """dK/dV within the gradient tolerance of float64 (T off the tiles, a shorter kv_len;
   grouped heads as they are), for one range of query rows per key CTA and for ranges of
-  64 and 192 rows (partials summed in range order); each split run to run bitwise, and
-  the splits agree to float32 rounding."""
+  64, 192 and 576 rows (partials summed in range order; with 3 heads per group: 1, 1 and 3
+  blocks of each head); each split run to run bitwise, and the splits agree to float32
+  rounding."""
   pos = arange_pos(2, t)
   kvl = jnp.array([t, t - 123], jnp.int32)
   args, scale, refs = _dkv_inputs(3, 2, t, h, d, pos, kvl, hkv)
   results = {}
-  for split in (4096, 64, 192):
+  for split in (4096, 64, 192, 576):
     f = jax.jit(lambda *a, split=split: attention_mosaic_bwd.dkv(*a, scale=scale,
                                                                   split_rows=split))
     got = f(*args)
@@ -368,11 +370,41 @@ def test_dkv_kernel_packed_positions_and_nan_padding():
     assert_bitwise_equal(g, c, f"{name} with NaN padding rows")
 
 
+def test_backward_padding_rows_through_the_dq_kernels_delta():
+  """The Mosaic backward at D = 128 with grouped heads (6 / 2) on positions that restart
+  mid-row and then pad (-1): the dq kernel's delta is 0 on the padding rows and dq there
+  is 0; NaN in the padding rows' q, out and dO changes no bit of dq, dk, dv; dk, dv within
+  the gradient tolerance of float64."""
+  t = 700
+  row = np.concatenate([np.arange(300), np.arange(250), np.full(150, -1)]).astype(np.int32)
+  pos = jnp.asarray(np.stack([row, np.arange(t, dtype=np.int32)]))
+  kvl = jnp.array([300, t], jnp.int32)
+  q, k, v = inputs(23, 2, t, 6, 2, 128, jnp.bfloat16, spread=2)
+  d_out = jax.random.normal(jax.random.key(24), q.shape, jnp.bfloat16)
+  scale = 128 ** -0.5
+  out, lse = attention_mosaic.forward(q, k, v, pos, kvl, scale=scale)
+  _, (_, dk_ref, dv_ref) = reference64(q, k, v, pos, kvl, scale, d_out)
+  f = jax.jit(lambda q, out, d_out: attention_mosaic_bwd.backward(
+      q, k, v, pos, kvl, out, lse, d_out, scale=scale))
+  clean = f(q, out, d_out)
+  _, delta = attention_mosaic_bwd.dq(q, k, v, pos, kvl, d_out, lse, out, scale=scale)
+  assert not np.any(np.asarray(delta)[0, :, 550:])
+  assert np.any(np.asarray(delta)[0, :, :550])
+  assert not np.any(np.asarray(clean[0], np.float32)[0, 550:])
+  for name, g, r in zip(("dk", "dv"), clean[1:], (dk_ref, dv_ref), strict=True):
+    assert rel_err(g, r) <= TOL["bfloat16"][1], name
+  pad = (pos < 0)[:, :, None, None]
+  dirty = [jnp.where(pad, jnp.nan, x).astype(x.dtype) for x in (q, out, d_out)]
+  for name, a, c in zip(("dq", "dk", "dv"), f(*dirty), clean, strict=True):
+    assert_bitwise_equal(a, c, f"{name} with NaN padding rows")
+
+
 @pytest.mark.parametrize("d,t,h,hkv", [(64, 777, 2, 2), (128, 300, 2, 2), (128, 300, 6, 2)])
 def test_dq_kernel_matches_float64_and_ignores_garbage_keys(d, t, h, hkv):
   """dQ within the gradient tolerance of float64 (T off the tiles, a shorter kv_len), run to
   run bitwise; its delta = rowsum(dO * O) within float32 rounding of delta_rows; NaN in K
-  and V rows past kv_len (a cache's garbage) changes no bit of dQ, delta, dK or dV."""
+  and V rows past kv_len (a cache's garbage) changes no bit of dQ, nor of dK and dV with
+  several ranges (partials) or one (stored by the kernel)."""
   pos = arange_pos(2, t)
   kvl = jnp.array([t, t - 123], jnp.int32)
   args, scale, _ = _dkv_inputs(7, 2, t, h, d, pos, kvl, hkv)
@@ -391,11 +423,12 @@ def test_dq_kernel_matches_float64_and_ignores_garbage_keys(d, t, h, hkv):
   dirty = list(dq_args)
   for i in (1, 2):
     dirty[i] = jnp.where(past, jnp.nan, args[i]).astype(args[i].dtype)
-  for name, a, c in zip(("dq", "delta"), f(*dirty), (got, delta), strict=True):
-    assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len")
+  assert_bitwise_equal(f(*dirty)[0], got, "dq with NaN keys past kv_len")
   dirty = list(args)
   for i in (1, 2):
     dirty[i] = jnp.where(past, jnp.nan, args[i]).astype(args[i].dtype)
-  g = jax.jit(lambda *a: attention_mosaic_bwd.dkv(*a, scale=scale, split_rows=256))
-  for name, a, c in zip(("dk", "dv"), g(*dirty), g(*args), strict=True):
-    assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len")
+  for split in (256, 4096):
+    g = jax.jit(lambda *a, split=split: attention_mosaic_bwd.dkv(*a, scale=scale,
+                                                                  split_rows=split))
+    for name, a, c in zip(("dk", "dv"), g(*dirty), g(*args), strict=True):
+      assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len, split {split}")
