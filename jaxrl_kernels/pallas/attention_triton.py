@@ -110,7 +110,8 @@ def default_backward_config(dtype, d: int) -> BackwardConfig:
   padded to 64 (the models' D = 64), a 64-key dQ step and 3 pipeline stages, 3-6% faster
   than the general default at the training step's document slots on an H100; at D = 128,
   dK/dV ranges of 4096 rows (the Mosaic backward's fwd+bwd 2-4% faster than with 2048 at
-  32 x 128 MHA and 12 / 2 GQA heads; ``benchmarks/results/attention_h100.md``); the
+  32 x 128 MHA and 12 / 2 GQA heads, measured on the folded layout;
+  ``benchmarks/results/attention_h100.md``); the
   general default otherwise. Free knobs: they change no forward bit, and the gradients are
   deterministic for either."""
   if jnp.dtype(dtype).itemsize == 2 and padded_head_dim(d) == 64:
