@@ -594,6 +594,45 @@ def test_mosaic_lanes_need_one_block_and_d64():
                              lanes=3)
 
 
+def test_mosaic_backward_checks_operand_shapes():
+  """The Mosaic dQ and dK/dV kernels index their operands by the shapes of q and k: an
+  operand of another shape is refused by name before any kernel (it would read other rows,
+  not fail). The same call with every shape right gets past the checks (to the lowering,
+  which needs a GPU here only to run)."""
+  from jaxrl_kernels.pallas import attention_mosaic_bwd as mb
+
+  b, t, hq, hkv, d = 2, 40, 6, 2, 128
+  z = lambda *shape, dtype=jnp.bfloat16: jnp.zeros(shape, dtype)  # noqa: E731
+  ok = dict(q=z(b, t, hq, d), k=z(b, 50, hkv, d), v=z(b, 50, hkv, d),
+            q_positions=z(b, t, dtype=jnp.int32), kv_lengths=z(b, dtype=jnp.int32),
+            d_out=z(b, t, hq, d), lse=z(b, hq, t, dtype=jnp.float32))
+  dq_ok = {**ok, "out": z(b, t, hq, d)}
+  dkv_ok = {**ok, "delta": z(b, hq, t, dtype=jnp.float32)}
+
+  def call(fn, args):
+    names = ("q", "k", "v", "q_positions", "kv_lengths", "d_out", "lse",
+             "out" if fn is mb.dq else "delta")
+    return fn(*(args[n] for n in names), scale=1.0)
+
+  bad = {"k": z(b, 50, hkv, 64), "v": z(b, 49, hkv, d), "q_positions": z(b, t - 1, dtype=jnp.int32),
+         "kv_lengths": z(b + 1, dtype=jnp.int32), "d_out": z(b, t, hq - 1, d),
+         "lse": z(b, hkv, t, dtype=jnp.float32), "out": z(b, t + 1, hq, d),
+         "delta": z(b, hq, t + 1, dtype=jnp.float32)}
+  for fn, good in ((mb.dq, dq_ok), (mb.dkv, dkv_ok)):
+    for name, value in bad.items():
+      if name not in good:
+        continue
+      with pytest.raises(ValueError, match=f"{name} has shape"):
+        call(fn, {**good, name: value})
+  for fn, good in ((mb.dq, dq_ok), (mb.dkv, dkv_ok)):
+    args = [jax.ShapeDtypeStruct(good[n].shape, good[n].dtype) for n in
+            ("q", "k", "v", "q_positions", "kv_lengths", "d_out", "lse",
+             "out" if fn is mb.dq else "delta")]
+    triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    jax.export.export(jax.jit(functools.partial(fn, scale=1.0)), platforms=["cuda"],
+                      disabled_checks=[triton_call])(*args)
+
+
 @pytest.mark.parametrize("b,tq,s_len,d,hq", [(2, 1000, 1000, 64, 2), (1, 300, 77, 128, 2),
                                             (1, 700, 700, 128, 6)])
 def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d, hq):
@@ -620,7 +659,8 @@ def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d, hq):
   exported = jax.export.export(fn, platforms=["cuda"])(*args, rows)
   assert [a.shape for a in exported.out_avals] == [(b, tq, hq, d), (b, hq, tq)]
   assert "mosaic_gpu" in exported.mlir_module()
+  three = sd((b, tq, 3, d), bf16)
   with pytest.raises(ValueError, match="query heads 3 are not a multiple of kv heads 2"):
     attention_mosaic_bwd.dkv(*(jnp.zeros(a.shape, a.dtype) for a in
-                               (sd((b, tq, 3, d), bf16), *args[1:], sd((b, 3, tq), f32))),
-                             scale=1.0)
+                               (three, *args[1:5], three, sd((b, 3, tq), f32),
+                                sd((b, 3, tq), f32))), scale=1.0)
