@@ -231,8 +231,8 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref
   q_loaded, do_loaded, o_loaded, lse_loaded, last_loaded = row_loaded
   dtype = q_ref.dtype
   b = lax.axis_index("batch")
-  hk = lax.axis_index("heads")  # the query head; K and V of its group's kv head
-  hkv = lax.div(hk, jnp.int32(group))
+  hq = lax.axis_index("heads")
+  hkv = lax.div(hq, jnp.int32(group))  # K and V of the query head's group
   qb = lax.axis_index("q_seq")
   wg = lax.axis_index("wg")
   n_tiles = ntiles_ref[b, qb]  # key tiles up to the one holding the CTA's largest `last`
@@ -243,12 +243,12 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref
     plgpu.set_max_registers(232, action="increase")
     q_smem, do_smem, o_smem = q_smem2.at[wg], do_smem2.at[wg], o_smem2.at[wg]
     row0 = qb * (wgs * BWD_BLOCK_Q) + wg * BWD_BLOCK_Q
-    rows = (b, pl.ds(row0, BWD_BLOCK_Q), hk)
+    rows = (b, pl.ds(row0, BWD_BLOCK_Q), hq)
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_loaded.at[wg])
     plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem, o_loaded.at[wg])
     span = pl.ds(row0, BWD_BLOCK_Q)
-    plgpu.copy_gmem_to_smem(lse_ref.at[b, hk, span], lse_smem2.at[wg], lse_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, hq, span], lse_smem2.at[wg], lse_loaded.at[wg])
     plgpu.copy_gmem_to_smem(last_ref.at[b, span], last_smem2.at[wg], last_loaded.at[wg])
     plgpu.barrier_wait(lse_loaded.at[wg])
     plgpu.barrier_wait(last_loaded.at[wg])
@@ -265,7 +265,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref
     delta = jnp.where(last >= 0, jnp.sum(d_o * o, axis=1), 0.0)
     delta_smem2.at[wg][...] = delta
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(delta_smem2.at[wg], delta_ref.at[b, hk, span])
+    plgpu.copy_smem_to_gmem(delta_smem2.at[wg], delta_ref.at[b, hq, span])
     shape = (BWD_BLOCK_Q, BWD_BLOCK_K)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
     dq = plgpu.layout_cast(jnp.full((BWD_BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -451,7 +451,7 @@ def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_ro
 def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
   """``(dq, delta)``: ``dQ = scale dS K`` (q's dtype), per query row over ascending key
   tiles of ``BWD_BLOCK_K`` keys from key 0 up to the tile holding its CTA's largest
-  ``last``, and ``delta = rowsum(dO * O)`` ``[B, H, Tq]`` float32 it computes on the way
+  ``last``, and ``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` float32 it computes on the way
   (one in-register row reduction; 0 for rows that see no key) for :func:`dkv`.
 
   Arguments as :func:`dkv`'s, with the forward's ``out`` in place of ``delta``. A CTA
