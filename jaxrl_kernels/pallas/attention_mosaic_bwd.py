@@ -80,21 +80,6 @@ def supported(q_shape, k_shape, dtype) -> str | None:
   return None
 
 
-def _check_operands(fn: str, q, k, v, q_positions, kv_lengths, rows, vectors):
-  """Shapes the kernels read by index (a mismatch would read the wrong rows, not fail):
-  ``rows`` name arrays shaped like ``q``, ``vectors`` arrays ``[B, Hq, Tq]``."""
-  bsz, tq, hq, d = q.shape
-  want = {"k": (bsz, k.shape[1], k.shape[2], d), "v": k.shape, "q_positions": (bsz, tq),
-          "kv_lengths": (bsz,), **{name: q.shape for name in rows},
-          **{name: (bsz, hq, tq) for name in vectors}}
-  got = {"k": k.shape, "v": v.shape, "q_positions": q_positions.shape,
-         "kv_lengths": kv_lengths.shape, **rows, **vectors}
-  for name, shape in want.items():
-    if tuple(got[name]) != tuple(shape):
-      raise ValueError(f"{fn}: {name} has shape {tuple(got[name])}, expected {tuple(shape)} "
-                       f"(q {tuple(q.shape)}, k {tuple(k.shape)})")
-
-
 def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, qend_ref,
             dk_ref, dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
             scale, scale2, wgs, direct, group):
@@ -354,8 +339,8 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
 def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_rows, direct):
   """:func:`dkv`, with ``direct`` (the kernel writing the gradients; ``None``: whenever it
   can) a choice for the tests."""
-  _check_operands("dkv", q, k, v, q_positions, kv_lengths, {"d_out": d_out.shape},
-                  {"lse": lse.shape, "delta": delta.shape})
+  attention_triton.check_operands("dkv", q, k, v, q_positions, kv_lengths,
+                                  {"d_out": d_out.shape}, {"lse": lse.shape, "delta": delta.shape})
   why = supported(q.shape, k.shape, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic) backward: {why}")
@@ -460,8 +445,8 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
   has its K rows at or past it zeroed in shared memory before ``dS K`` (garbage past
   ``kv_len``: ``0 * NaN``); every masked term is a select.
   """
-  _check_operands("dq", q, k, v, q_positions, kv_lengths,
-                  {"d_out": d_out.shape, "out": out.shape}, {"lse": lse.shape})
+  attention_triton.check_operands("dq", q, k, v, q_positions, kv_lengths,
+                                  {"d_out": d_out.shape, "out": out.shape}, {"lse": lse.shape})
   why = supported(q.shape, k.shape, q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic) backward: {why}")

@@ -213,12 +213,37 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, o_ref, lse_ref, *, tq, s_
   pltriton.store(lse_ref.at[b, h, pl.ds(row0, BLOCK_Q)], lse, mask=row_ok)
 
 
+def check_operands(fn: str, q, k, v, q_positions, kv_lengths, rows=None, vectors=None):
+  """Refuses by name an operand whose shape the attention kernels would misread (they
+  index rows by the shapes of ``q`` and ``k``: a mismatch reads other rows rather than
+  failing), and query heads that are not a multiple of the kv heads. ``rows``: name ->
+  shape of arrays shaped like ``q``; ``vectors``: name -> shape of ``[B, Hq, Tq]`` arrays."""
+  rows, vectors = rows or {}, vectors or {}
+  if q.ndim != 4:
+    raise ValueError(f"{fn}: q must be [B, Tq, Hq, D], got shape {tuple(q.shape)}")
+  bsz, tq, hq, d = q.shape
+  if k.ndim != 4 or k.shape[2] == 0:
+    raise ValueError(f"{fn}: k must be [B, S, Hkv, D], got shape {tuple(k.shape)}")
+  if hq % k.shape[2]:
+    raise ValueError(f"{fn}: query heads {hq} are not a multiple of kv heads {k.shape[2]}")
+  want = {"k": (bsz, k.shape[1], k.shape[2], d), "v": k.shape, "q_positions": (bsz, tq),
+          "kv_lengths": (bsz,), **{name: q.shape for name in rows},
+          **{name: (bsz, hq, tq) for name in vectors}}
+  got = {"k": k.shape, "v": v.shape, "q_positions": q_positions.shape,
+         "kv_lengths": kv_lengths.shape, **rows, **vectors}
+  for name, shape in want.items():
+    if tuple(got[name]) != tuple(shape):
+      raise ValueError(f"{fn}: {name} has shape {tuple(got[name])}, expected {tuple(shape)} "
+                       f"(q {tuple(q.shape)}, k {tuple(k.shape)})")
+
+
 def forward(q, k, v, q_positions, kv_lengths, *, scale: float, interpret: bool):
   """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
 
   ``lse2 = max_j s_j + log2 sum_j 2^(s_j - max)`` with ``s = log2(e) * scale * q . k``
   over visible keys (0 for a row that sees none).
   """
+  check_operands("causal_attention forward", q, k, v, q_positions, kv_lengths)
   bsz, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
   kernel = functools.partial(_fwd_kernel, tq=tq, s_len=s_len, d=d, hq=hq, group=hq // hkv,
@@ -452,6 +477,8 @@ def backward_dq(q, k, v, q_positions, kv_lengths, out, d_out, lse, *, scale: flo
   """``(dq, delta)``: ``dQ = scale dS K`` (q's dtype) from the forward's ``out`` and ``lse``
   and ``d_out`` (q's dtype), and the ``delta = rowsum(dO * O)`` ``[B, Hq, Tq]`` float32 it
   computed on the way (0 for rows that see no key), for the dK/dV kernel."""
+  check_operands("backward_dq", q, k, v, q_positions, kv_lengths,
+                 {"out": out.shape, "d_out": d_out.shape}, {"lse": lse.shape})
   cfg = config or default_backward_config(q.dtype, q.shape[3])
   bsz, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
@@ -475,6 +502,8 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale dS K``,
   ``dK = scale dS^T Q`` (summed over the query heads of a kv head), ``dV = P^T dO``.
   """
+  check_operands("backward", q, k, v, q_positions, kv_lengths,
+                 {"out": out.shape, "d_out": d_out.shape}, {"lse": lse.shape})
   cfg = config or default_backward_config(q.dtype, q.shape[3])
   bsz, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]

@@ -594,6 +594,42 @@ def test_mosaic_lanes_need_one_block_and_d64():
                              lanes=3)
 
 
+def test_triton_kernels_check_operand_shapes():
+  """The Triton forward and backward refuse by name an operand of another shape than q's
+  and k's imply (they index rows by those shapes) and query heads off the kv groups; the
+  same calls with every shape right run (interpret mode)."""
+  from jaxrl_kernels.pallas import attention_triton as at
+
+  b, t, hq, hkv, d = 2, 9, 4, 2, 16
+  q, k, v = inputs(31, b, t, t, hq, hkv, d, jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  kvl = jnp.full((b,), t, jnp.int32)
+  out, lse = at.forward(q, k, v, pos, kvl, scale=0.25, interpret=True)
+  args = dict(q=q, k=k, v=v, q_positions=pos, kv_lengths=kvl, out=out, lse=lse, d_out=out)
+  calls = {
+      "forward": lambda a: at.forward(a["q"], a["k"], a["v"], a["q_positions"],
+                                      a["kv_lengths"], scale=0.25, interpret=True),
+      "backward_dq": lambda a: at.backward_dq(*(a[n] for n in (
+          "q", "k", "v", "q_positions", "kv_lengths", "out", "d_out", "lse")), scale=0.25,
+          interpret=True),
+      "backward": lambda a: at.backward(*(a[n] for n in (
+          "q", "k", "v", "q_positions", "kv_lengths", "out", "lse", "d_out")), scale=0.25,
+          interpret=True),
+  }
+  bad = {"v": v[:, :-1], "q_positions": pos[:1], "kv_lengths": kvl[:1], "out": out[:, :-1],
+         "lse": lse[:, :hkv], "d_out": out[..., :-1]}
+  for fn, call in calls.items():
+    call(args)
+    for name, value in bad.items():
+      if fn == "forward" and name in ("out", "lse", "d_out"):
+        continue
+      with pytest.raises(ValueError, match=f"{fn}.*{name} has shape"):
+        call({**args, name: value})
+    with pytest.raises(ValueError, match="query heads 3 are not a multiple of kv heads 2"):
+      call({**args, "q": q[:, :, :3], "out": out[:, :, :3], "d_out": out[:, :, :3],
+            "lse": lse[:, :3]})
+
+
 def test_mosaic_backward_checks_operand_shapes():
   """The Mosaic dQ and dK/dV kernels index their operands by the shapes of q and k: an
   operand of another shape is refused by name before any kernel (it would read other rows,
