@@ -70,16 +70,6 @@ STAGES = 2
 BACKWARD_HEAD_DIMS = (128,)
 
 
-def supported(q_shape, k_shape, dtype) -> str | None:
-  """None when the Mosaic dK/dV kernel runs these shapes, else why not."""
-  why = attention_mosaic.supported(q_shape[3], dtype)
-  if why is not None:
-    return why
-  if q_shape[2] % k_shape[2]:
-    return f"query heads {q_shape[2]} are not a multiple of kv heads {k_shape[2]}"
-  return None
-
-
 def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_ref, qend_ref,
             dk_ref, dv_ref, smem, loaded, kv_loaded, free, *, n_qb, split_blocks, n_split, d,
             scale, scale2, wgs, direct, group):
@@ -341,7 +331,7 @@ def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_ro
   can) a choice for the tests."""
   attention_triton.check_operands("dkv", q, k, v, q_positions, kv_lengths,
                                   {"d_out": d_out.shape}, {"lse": lse.shape, "delta": delta.shape})
-  why = supported(q.shape, k.shape, q.dtype)
+  why = attention_mosaic.supported(q.shape[3], q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic) backward: {why}")
   if split_rows < BWD_BLOCK_Q or split_rows % BWD_BLOCK_Q:
@@ -447,7 +437,7 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
   """
   attention_triton.check_operands("dq", q, k, v, q_positions, kv_lengths,
                                   {"d_out": d_out.shape, "out": out.shape}, {"lse": lse.shape})
-  why = supported(q.shape, k.shape, q.dtype)
+  why = attention_mosaic.supported(q.shape[3], q.dtype)
   if why is not None:
     raise ValueError(f"causal_attention(mosaic) backward: {why}")
   bsz, tq, h, d = q.shape
@@ -521,9 +511,6 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
       or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
                                      scale=scale, interpret=False, config=config)
-  if q.shape[2] % k.shape[2]:
-    raise ValueError(f"causal_attention(mosaic) backward: query heads {q.shape[2]} are not a "
-                     f"multiple of kv heads {k.shape[2]}")
   cfg = config or attention_triton.default_backward_config(q.dtype, q.shape[3])
   d_out = d_out.astype(q.dtype)
   dq_, delta = dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, scale=scale)
