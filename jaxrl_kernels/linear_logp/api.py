@@ -37,11 +37,14 @@ class Backend:
   Attributes:
     name: the implementation name.
     tile_partials: ``(hidden2d, weight, bias, targets, *, layout, temperature,
-      compute_dtype, vocab_offset, valid_vocab) -> (m, s, u, target_logit)``.
+      compute_dtype, vocab_offset, valid_vocab, entropy) -> (m, s, u, target_logit)``.
+      ``entropy=False`` (the caller returns no entropy) lets a kernel leave ``u`` out
+      (zeros); ``m``, ``s`` and the target logit keep their bits either way.
     merge_partials: ``(m, s, u) -> (lse, mean_z, entropy)``.
     backward: ``(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *,
-      layout, temperature, compute_dtype, vocab_offset, valid_vocab, config)
-      -> (dh, dw, db)``.
+      layout, temperature, compute_dtype, vocab_offset, valid_vocab, config, entropy)
+      -> (dh, dw, db)``. ``entropy=False``: ``g_ent`` is zero (no entropy was returned),
+      so a kernel may leave the entropy term out.
     logits: ``(hidden2d, weight, bias, *, layout, temperature, compute_dtype,
       return_stats) -> z`` or ``(z, (m, s, u))``, each logit bitwise the one
       ``tile_partials`` reduces.
@@ -64,18 +67,32 @@ class Backend:
 
 
 def _pallas_backward(*args, gemm: str, interpret: bool, default_kernel: str,
-                     config: BackwardConfig | None, **kw):
+                     config: BackwardConfig | None, entropy: bool = True, **kw):
   cfg = config or BackwardConfig()
   if (cfg.kernel or default_kernel) == "fused":
+    # The fused kernel keeps the entropy term (g_ent = 0 makes it zero).
     return linear_logp_bwd.backward(*args, interpret=interpret, chunk=cfg.chunk, **kw)
   return gemm_backward.backward(*args, gemm=gemm, chunk=cfg.chunk or 4096, dh_rows=cfg.dh_rows,
-                                accumulate=cfg.accumulate, fuse_dz=cfg.fuse_dz, **kw)
+                                accumulate=cfg.accumulate, fuse_dz=cfg.fuse_dz,
+                                entropy=entropy, **kw)
+
+
+def _reduces_entropy(f: Callable) -> Callable:
+  """A backend kernel that computes the entropy's terms whatever ``entropy`` says: the
+  argument lets a kernel leave them out (:class:`Backend`); this one keeps them."""
+
+  def call(*args, entropy: bool = True, **kw):
+    del entropy
+    return f(*args, **kw)
+
+  return call
 
 
 def _triton_backend(name: str, interpret: bool) -> Backend:
   return Backend(
       name=name,
-      tile_partials=functools.partial(linear_logp_fwd.tile_partials, interpret=interpret),
+      tile_partials=_reduces_entropy(
+          functools.partial(linear_logp_fwd.tile_partials, interpret=interpret)),
       merge_partials=functools.partial(linear_logp_fwd.merge_partials, interpret=interpret),
       backward=functools.partial(_pallas_backward, gemm=name, interpret=interpret,
                                  default_kernel="fused"),
@@ -100,11 +117,11 @@ _MOSAIC = Backend(
 def _cpu_backend() -> Backend:
   from jaxrl_kernels.linear_logp import cpu  # noqa: PLC0415 - XLA CPU code, loaded on use
 
-  def backward(*args, config=None, **kw):
-    del config  # one backward
+  def backward(*args, config=None, entropy=True, **kw):
+    del config, entropy  # one backward, with the entropy term
     return cpu.backward(*args, **kw)
 
-  return Backend(name="cpu", tile_partials=cpu.tile_partials,
+  return Backend(name="cpu", tile_partials=_reduces_entropy(cpu.tile_partials),
                  merge_partials=cpu.merge_partials, backward=backward, logits=cpu.logits,
                  partials_from_logits=cpu.partials_from_logits)
 
@@ -295,6 +312,7 @@ class _Static:
   implementation: str
   vocab_size: int
   config: BackwardConfig | None
+  entropy: bool  # the caller returns the entropy (else its terms may be left out)
 
 
 def _temperature_arg(temperature):
@@ -306,7 +324,8 @@ def _forward(hidden, weight, bias, temp, targets, mask, st: _Static):
   be = backend(st.implementation)
   t_arg = 1.0 if temp is None else temp
   m, s, u, tz = be.tile_partials(hidden, weight, bias, targets, layout=st.layout,
-                                 temperature=t_arg, compute_dtype=st.compute_dtype)
+                                 temperature=t_arg, compute_dtype=st.compute_dtype,
+                                 entropy=st.entropy)
   lse, mean_z, ent = be.merge_partials(m, s, u)
   logp, ent = sp.finalize(tz, lse, ent, targets, mask, st.vocab_size)
   return (logp, ent), (lse, mean_z)
@@ -341,7 +360,7 @@ def _fused_bwd(st, res, cts):
   dh, dw, db = backend(st.implementation).backward(
       hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, layout=st.layout,
       temperature=1.0 if temp is None else temp, compute_dtype=st.compute_dtype,
-      config=st.config)
+      config=st.config, entropy=st.entropy)
   db = None if bias is None else db.astype(bias.dtype)
   # No gradient flows to the temperature (a schedule, not a parameter).
   return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None, None
@@ -431,7 +450,8 @@ def linear_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
                                   temperature=1.0 if temp is None else temp,
                                   compute_dtype=x.compute_dtype)
     else:
-      st = _Static(weight_layout, x.compute_dtype.name, impl, x.vocab_size, config)
+      st = _Static(weight_layout, x.compute_dtype.name, impl, x.vocab_size, config,
+                   return_entropy)
       logp, ent = _fused(h2, w, x.bias, temp, t2, m2, st)
   logp = logp.reshape(lead)
   ent = ent.reshape(lead)

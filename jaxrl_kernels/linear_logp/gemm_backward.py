@@ -56,7 +56,7 @@ def _mosaic_runs(m: int, n: int, k: int, rhs_transposed: bool) -> bool:
 def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
              temperature, compute_dtype, gemm: str, vocab_offset: int = 0,
              valid_vocab: int | None = None, chunk: int = 4096, dh_rows: int = 8192,
-             accumulate: bool = True, fuse_dz: bool = True):
+             accumulate: bool = True, fuse_dz: bool = True, entropy: bool = True):
   """The gradients of ``pallas.linear_logp_bwd.backward`` (same arguments and
   outputs) with the products on ``det_matmul``'s ``gemm`` kernels (``"mosaic"``,
   ``"triton"`` or ``"interpret"``).
@@ -64,6 +64,10 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
   ``accumulate`` and ``fuse_dz`` take effect with ``gemm="mosaic"`` where every
   chunk width's product runs on the Mosaic kernel (static shapes only); they
   never change the bits.
+
+  ``entropy=False``: the op returned no entropy, so its cotangent is zero; ``g_ent`` and
+  ``mean_z`` are not read and ``dz`` has no entropy term (``g_logp (onehot - p) /
+  temperature``: the values of ``g_ent = 0`` up to the sign of a zero).
 
   Returns:
     ``(dh, dw, db)``: ``dh`` float32 ``[T, H]``, ``dw`` in ``weight.dtype``,
@@ -95,7 +99,10 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
 
   def dz_epilogue(z, rows, cols, col_ids):
     """dz of one output tile from its float32 logits: the ops of :func:`dz_xla`."""
-    lse_r, mean_r, gl_r, ge_r, t_r = rows
+    if entropy:
+      lse_r, mean_r, gl_r, ge_r, t_r = rows
+    else:
+      (lse_r, gl_r, t_r), mean_r, ge_r = rows, None, None
     bias_col = cols[0] if has_bias else None
     temp_col = cols[int(has_bias)] if temp is not None else None
     z = sp.scale_logits(z, bias_col, temp_col)
@@ -114,7 +121,7 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
     ok = cols < v_local
     onehot = (cols == local_t[:, None]).astype(jnp.float32)
     dz = sp.logit_grad(z, lse[:, None], mean_z[:, None], onehot, g_logp[:, None],
-                       g_ent[:, None], ok, tscale, mask_p=True)
+                       g_ent[:, None] if entropy else None, ok, tscale, mask_p=True)
     return jnp.where(ok, dz, 0.0).astype(compute_dtype)
 
   def grads(c0, width, dh, dw, db):
@@ -126,7 +133,8 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
       if temp is not None:
         col_ops += (jnp.broadcast_to(temp, (width,)),)
       col_ops += ((cols[0] < v_local).astype(jnp.int32),)
-      rows = (lse, mean_z, g_logp, g_ent, (local_t - c0).astype(jnp.int32))
+      t_rows = (local_t - c0).astype(jnp.int32)
+      rows = ((lse, mean_z, g_logp, g_ent, t_rows) if entropy else (lse, g_logp, t_rows))
       dz = gemm_mosaic.matmul(x, w_c, lhs_transposed=False, rhs_transposed=not hv,
                               out_dtype=compute_dtype, epilogue=dz_epilogue,
                               row_operands=rows, col_operands=col_ops)

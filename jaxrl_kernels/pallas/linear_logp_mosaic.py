@@ -153,7 +153,7 @@ def decode_config(rows: int, hidden: int, layout: str, *,
   return MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=2 * TILE_K)
 
 
-def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None):
+def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None, entropy: bool = True):
   """Per-row ``(m, s, u, tz)`` of one float32 logits tile ``z [EPI_ROWS, VOCAB_TILE]``.
 
   ``col_ids``: int32 local column index per element; ``tg``: int32 ``[rows]``
@@ -166,11 +166,18 @@ def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None):
   With ``keys`` (the rows' two draw key words, ``[rows]`` int32 each), also the tile's
   draw ``(key, col, logit)`` (:func:`draw.tile_draw`) from the same exponentials:
   seven statistics.
+
+  ``entropy=False``: ``u`` is zeros, not reduced (``m``, ``s`` and ``tz`` keep their
+  bits): for callers that return no entropy. The column mask stays on every tile, also
+  where every column is valid: its select rounds ``z`` before ``z - m``, which the
+  compiler would otherwise contract with a temperature's multiply into one FMA (other bits
+  than the sampler's, whose ``z`` comes from memory: measured on an H100).
   """
+  col_ok = col_ids < valid_vocab
   if keys is None:
-    z, m, s, u = sp.tile_stats_2d(z, col_ids < valid_vocab)
+    z, m, s, u = sp.tile_stats_2d(z, col_ok, entropy=entropy)
   else:
-    z, m, s, u, e = sp.tile_stats_2d(z, col_ids < valid_vocab, with_exp=True)
+    z, m, s, u, e = sp.tile_stats_2d(z, col_ok, with_exp=True, entropy=entropy)
   if tg is None:  # rows without targets (the logits, the draw): no target logit to reduce
     tz = jnp.zeros_like(m)
   else:
@@ -211,7 +218,7 @@ def _unpack(packed, n_tiles: int, t: int, tm: int, count: int = 4):
 
 def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: bool,
             store_logits: bool, stats: bool, valid_vocab: int, cfg: MosaicLogpConfig,
-            draws: bool = False, has_targets: bool = False):
+            draws: bool = False, has_targets: bool = False, entropy: bool = True):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
   # The temperature arrives as a [VOCAB_TILE] row, fetched like the bias.
@@ -272,7 +279,8 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
       if stats:
         keys = (vecs["k1"][wg, rows], vecs["k2"][wg, rows]) if draws else None
         tg = vecs["tg"][wg, rows] if has_targets else None
-        row_stats = tile_epilogue(z, col_ids, tg, valid_vocab=valid_vocab, keys=keys)
+        row_stats = tile_epilogue(z, col_ids, tg, valid_vocab=valid_vocab, keys=keys,
+                                  entropy=entropy)
         packed = _pack(packed, pack_ids, row_stats, c)
     if stats:
       out_smem[wg] = packed
@@ -346,7 +354,7 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: i
 
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_run, n_run,
           store_logits, stats, cfg: MosaicLogpConfig, out_type, draws: bool = False,
-          has_targets: bool = False):
+          has_targets: bool = False, entropy: bool = True):
   """``extra``: the row operands after the bias and temperature: the rows' target ids
   (``has_targets``), then the draw's two key words (``draws``)."""
   k = hidden.shape[1]
@@ -357,7 +365,8 @@ def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_ru
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
       has_temp=temp is not None, store_logits=store_logits, stats=stats,
-      valid_vocab=valid_vocab, cfg=cfg, draws=draws, has_targets=has_targets)
+      valid_vocab=valid_vocab, cfg=cfg, draws=draws, has_targets=has_targets,
+      entropy=entropy)
   name = ("lm_head_draw" if draws else "lm_head_logits" if store_logits
           else "linear_logp_tiles")
   f = mosaic_loop.kernel(kernel, out_type=out_type, cfg=cfg.loop, name=name)
@@ -369,7 +378,7 @@ def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_ru
 def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
                   targets: jax.Array, *, layout: str, temperature, compute_dtype,
                   vocab_offset: int = 0, valid_vocab: int | None = None,
-                  config: MosaicLogpConfig | None = None):
+                  config: MosaicLogpConfig | None = None, entropy: bool = True):
   """:func:`linear_logp_fwd.tile_partials` (same arguments, outputs and meaning) on Hopper.
 
   Args:
@@ -378,6 +387,8 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
     compute_dtype: bfloat16 or float16 (accumulation is float32).
     vocab_offset, valid_vocab: this weight's first global id; local columns
       ``>= valid_vocab`` are masked to -inf.
+    entropy: False when the caller returns no entropy: ``u`` is then zeros, not reduced
+      (``m``, ``s`` and the target logit keep their bits).
 
   Returns:
     ``(m, s, u, target_logit)``: float32 ``[ceil(V / VOCAB_TILE), T]`` each, and
@@ -401,7 +412,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   packed = _call(
       h2, w2, b2, (tg,), layout=layout, temperature=temperature,
       valid_vocab=v if valid_vocab is None else valid_vocab, m_run=m_run, n_run=n_run,
-      store_logits=False, stats=True, cfg=cfg, has_targets=True,
+      store_logits=False, stats=True, cfg=cfg, has_targets=True, entropy=entropy,
       out_type=(jax.ShapeDtypeStruct((n_pad, m_iters * EPI_ROWS, PACK), jnp.float32),))[0]
   m, s, u, tzp = _unpack(packed, n_tiles, t, cfg.tile_m)
   # One non-zero term per row (the owning tile's), so the sum is exact in any order.

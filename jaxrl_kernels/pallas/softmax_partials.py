@@ -130,17 +130,23 @@ def tile_stats(z, col_ok, *, interpret: bool):
   return m, e[:, 0], d[:, 0]
 
 
-def tile_stats_2d(z, col_ok, *, with_exp: bool = False):
+def tile_stats_2d(z, col_ok, *, with_exp: bool = False, entropy: bool = True):
   """Per-row ``(m, s, u)`` of ``z [rows, VOCAB_TILE]`` with a 2-D column mask
   ``col_ok`` (the Mosaic epilogue's form: every operand in the wgmma register
   layout, row vectors broadcast with ``broadcast_in_dim``). Masks ``z`` itself.
-  Returns ``(z, m, s, u)``, and ``e = exp(z - m)`` last with ``with_exp``."""
+  Returns ``(z, m, s, u)``, and ``e = exp(z - m)`` last with ``with_exp``.
+
+  ``entropy=False``: ``u`` is not reduced (zeros; ``m`` and ``s`` keep their bits), for
+  callers that use no entropy."""
   z = jnp.where(col_ok, z, -jnp.inf)
   m = jnp.max(z, axis=1)
   zm = z - lax.broadcast_in_dim(finite_max(m), z.shape, [0])
   e = jnp.exp(zm)  # exp(-inf) = 0 on masked columns
   s = jnp.sum(e, axis=1)
-  u = jnp.sum(jnp.where(col_ok & (z != -jnp.inf), e * zm, 0.0), axis=1)
+  if entropy:
+    u = jnp.sum(jnp.where(col_ok & (z != -jnp.inf), e * zm, 0.0), axis=1)
+  else:
+    u = jnp.zeros_like(s)
   return (z, m, s, u, e) if with_exp else (z, m, s, u)
 
 
@@ -209,15 +215,19 @@ def logit_grad(z, lse, mean_z, onehot, g_logp, g_ent, col_ok, inv_temperature, *
   ``col_ok`` masks ``z - mean_z`` on padding columns (``z = -inf`` there);
   ``mask_p`` also selects ``p = 0`` there (the GEMM epilogue's form, whose ``z``
   is finite on padding columns). The caller zeroes rows and columns outside
-  the array.
+  the array. ``g_ent=None``: no entropy cotangent (the caller returned no entropy),
+  ``dz = g_logp (onehot - p) / temperature``, and ``mean_z`` is not read.
   """
   p = jnp.exp(z - lse)  # 0 on masked columns where z = -inf
   if mask_p:
     p = jnp.where(col_ok, p, 0.0)
-  # A -inf logit (a column masked by the bias) has p = 0 and no entropy term: 0, not
-  # 0 * -inf.
-  zc = jnp.where(col_ok & (z != -jnp.inf), z - mean_z, 0.0)
-  dz = g_logp * (onehot - p) - g_ent * (p * zc)
+  if g_ent is None:
+    dz = g_logp * (onehot - p)
+  else:
+    # A -inf logit (a column masked by the bias) has p = 0 and no entropy term: 0, not
+    # 0 * -inf.
+    zc = jnp.where(col_ok & (z != -jnp.inf), z - mean_z, 0.0)
+    dz = g_logp * (onehot - p) - g_ent * (p * zc)
   if inv_temperature is not None:
     dz = dz * inv_temperature
   return dz

@@ -143,3 +143,19 @@ def test_backward_config_rejects_bad_values(kwargs, match):
   with pytest.raises(TypeError, match="config must be a BackwardConfig"):
     linear_logp(jnp.zeros((2, 4)), jnp.zeros((4, 8)), jnp.array([1, 2]),
                 implementation="interpret", config={"chunk": 128})
+
+
+def test_backward_without_entropy_reads_no_entropy_cotangent():
+  """``entropy=False`` (the op returned no entropy): dz has no entropy term, so ``g_ent`` and
+  ``mean_z`` are not read; the gradients are those of ``g_ent = 0`` (equal values; only
+  the sign of an exact zero may differ). With NaN in both, nothing reaches the
+  gradients; the control shows the entropy-reading backward would carry it."""
+  x, w, b, tg, lse, mean_z, gl, ge = _case("float32", 24, "hv", seed=5)
+  kw = dict(layout="hv", temperature=0.9, compute_dtype="float32", gemm="interpret", chunk=128)
+  want = gemm_backward.backward(x, w, b, tg, lse, mean_z, gl, jnp.zeros_like(ge), **kw)
+  nan = jnp.full_like(ge, jnp.nan)
+  got = gemm_backward.backward(x, w, b, tg, lse, nan, gl, nan, entropy=False, **kw)
+  for name, g, r in zip(("dh", "dw", "db"), got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+  with_entropy = gemm_backward.backward(x, w, b, tg, lse, nan, gl, nan, **kw)
+  assert np.isnan(np.asarray(with_entropy[0])).all()

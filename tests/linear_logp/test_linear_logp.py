@@ -22,6 +22,7 @@ from jaxrl_kernels.linear_logp import (
 )
 from jaxrl_kernels.linear_logp.reference import linear_logp_reference
 from jaxrl_kernels.pallas import linear_logp_bwd
+from jaxrl_kernels.pallas import softmax_partials as sp
 
 IMPL = "interpret"
 H, V = 40, 300  # neither a tile multiple
@@ -464,3 +465,31 @@ def test_merge_unroll_keeps_the_bits():
 @pytest.mark.gpu
 def test_merge_unroll_keeps_the_bits_gpu():
   _merge_unroll_bits(interpret=False)
+
+
+def test_epilogue_forms_without_entropy_keep_the_values():
+  """The Mosaic epilogues' form for callers that return no entropy, on the CPU:
+  ``tile_stats_2d(entropy=False)`` leaves ``u`` out (zeros) and keeps ``m`` and ``s``
+  bitwise; ``logit_grad(g_ent=None)`` gives the values of ``g_ent = 0`` (the sign of an
+  exact zero aside). A -inf logit and a masked column among them."""
+  k = jax.random.split(jax.random.key(4), 3)
+  z = jax.random.normal(k[0], (16, 128), jnp.float32) * 4
+  z = z.at[3, 7].set(-jnp.inf)
+  ok = jnp.arange(128)[None] < 120
+  _, m, s, u = sp.tile_stats_2d(z, ok)
+  _, m2, s2, u2 = sp.tile_stats_2d(z, ok, entropy=False)
+  assert_bitwise_equal(m2, m, "m without entropy")
+  assert_bitwise_equal(s2, s, "s without entropy")
+  assert np.all(np.asarray(u2) == 0) and np.any(np.asarray(u) != 0)
+  lse = m + jnp.log(s)
+  mean = m + u / s
+  onehot = (jnp.arange(128)[None] == jax.random.randint(k[1], (16, 1), 0, 120)).astype(
+      jnp.float32)
+  gl = jax.random.normal(k[2], (16, 1))
+  args = (z, lse[:, None], mean[:, None], onehot, gl)
+  zero = sp.logit_grad(*args, jnp.zeros((16, 1)), ok, None, mask_p=True)
+  no_ent = sp.logit_grad(*args, None, ok, None, mask_p=True)
+  np.testing.assert_array_equal(np.asarray(no_ent), np.asarray(zero))
+  # Control: a non-zero entropy cotangent changes dz.
+  assert not np.array_equal(np.asarray(sp.logit_grad(*args, gl, ok, None, mask_p=True)),
+                            np.asarray(zero))

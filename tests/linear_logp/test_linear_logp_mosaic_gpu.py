@@ -194,6 +194,43 @@ def test_sampler_path_is_the_fused_op_bitwise(layout, bias):
   assert not np.array_equal(bits(lp_x), bits(lp_f))
 
 
+@pytest.mark.parametrize("layout,v", [("hv", 3072), ("vh", 3072), ("vh", V)])
+def test_logp_without_entropy_keeps_the_bits(layout, v):
+  """A call that returns no entropy runs kernels without it: the fused partials leave ``u``
+  out, the dz epilogue the entropy term (V = 3072: every backward product on the Mosaic
+  kernel, the dz epilogue among them). The log-probs are bitwise those of the
+  entropy-returning call and of the sampler (logits -> logits_logp); ``m``, ``s`` and the
+  target logit are bitwise the entropy-reducing kernel's; the gradients equal (as values:
+  the sign of an exact zero may differ) those of the entropy-returning call whose entropy
+  the loss leaves unused."""
+  x, t = _wide(300, v=v)
+  w = _weight(layout, v)
+  kw = dict(temperature=0.7, weight_layout=layout, implementation=IMPL)
+  lp = linear_logp(x, w, t, **kw)
+  lp_e, _ = linear_logp(x, w, t, return_entropy=True, **kw)
+  assert_bitwise_equal(lp, lp_e, "logp without vs with the entropy")
+  z = head_logits(x, w, temperature=0.7, weight_layout=layout, implementation=IMPL)
+  assert_bitwise_equal(logits_logp(z, t, compute_dtype=jnp.bfloat16, implementation=IMPL), lp,
+                       "sampler logp vs fused logp without the entropy")
+  pkw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16)
+  m0, s0, u0, tz0 = lm.tile_partials(x, w, None, t, entropy=False, **pkw)
+  m1, s1, u1, tz1 = lm.tile_partials(x, w, None, t, **pkw)
+  for name, a, b in (("m", m0, m1), ("s", s0, s1), ("target logit", tz0, tz1)):
+    assert_bitwise_equal(a, b, f"{name} without vs with the entropy")
+  assert np.all(np.asarray(u0) == 0) and np.any(np.asarray(u1) != 0)
+  gl = jax.random.normal(jax.random.key(8), (300,))
+
+  def grads(entropy):
+    def loss(x, w):
+      out = linear_logp(x, w, t, return_entropy=entropy, **kw)
+      return jnp.sum((out[0] if entropy else out) * gl)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+  for name, a, b in zip(("dx", "dw"), grads(False), grads(True), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=name)
+
+
 @pytest.mark.parametrize("t", [1, 64, 200, 256])
 @pytest.mark.parametrize("layout,v,masked", [("hv", V, False), ("vh", V, False),
                                              ("hv", 3100, True), ("vh", 3100, True)])

@@ -2,12 +2,14 @@
 persistent loop, two epilogues), and their Python kernel bodies build (no GPU needed)."""
 
 import dataclasses
+import functools
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxrl_kernels.linear_logp import gemm_backward
 from jaxrl_kernels.pallas import gemm_mosaic, linear_logp_mosaic, mosaic_loop
 
 S = jax.ShapeDtypeStruct
@@ -385,3 +387,33 @@ def test_grouped_product_reads_side_by_side_operands_in_place():
       *range(1, 8), *range(8, 70, 8)]
   with pytest.raises(ValueError, match="lhs \\[M, G K\\] needs"):
     jax.eval_shape(fn, S((64, 2000), jnp.bfloat16), w)
+
+
+@pytest.mark.parametrize("v", [3072, 3001])
+def test_lm_head_without_entropy_lowers_for_cuda(v):
+  """``entropy=False`` (a caller that returns no entropy): the fused partials' epilogue
+  without ``u`` and the GEMM backward's dz epilogue without the entropy term (V = 3072:
+  every product on the Mosaic kernel; no Triton call is exported) build CUDA kernels; the
+  forward's kernel is another one than the entropy-reducing kernel's. Bits:
+  tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
+  t, h = 300, 512
+  x, w, tg = S((t, h), jnp.bfloat16), S((v, h), jnp.bfloat16), S((t,), jnp.int32)
+  kw = dict(layout="vh", temperature=1.0, compute_dtype=jnp.bfloat16)
+  modules = {}
+  for entropy in (True, False):
+    fwd = functools.partial(linear_logp_mosaic.tile_partials, bias=None, entropy=entropy, **kw)
+    exported = jax.export.export(jax.jit(lambda x, w, tg, f=fwd: f(x, w, targets=tg)),
+                                 platforms=["cuda"])(x, w, tg)
+    modules[entropy] = exported.mlir_module()
+    assert "mosaic_gpu" in modules[entropy]
+  assert modules[True] != modules[False]
+  if v % linear_logp_mosaic.VOCAB_TILE:
+    return  # the backward's chunk products of V = 3001 run on Triton, without the epilogue
+  rows = S((t,), jnp.float32)
+
+  def bwd(x, w, tg, lse, gl):
+    return gemm_backward.backward(x, w, None, tg, lse, lse, gl, gl, gemm="mosaic",
+                                  entropy=False, **kw)
+
+  exported = jax.export.export(jax.jit(bwd), platforms=["cuda"])(x, w, tg, rows, rows)
+  assert "mosaic_gpu" in exported.mlir_module()
