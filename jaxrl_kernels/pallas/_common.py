@@ -7,6 +7,7 @@ Nothing here fixes a reduction order (those constants live in
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -63,6 +64,20 @@ def triton_compiler_params(num_warps: int, num_stages: int, interpret: bool) -> 
 def mosaic_warpgroup_params() -> plgpu.CompilerParams:
   """Mosaic GPU parameters of the kernels written with warpgroup semantics."""
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+# jax 0.11 loads a whole ref with ``plgpu.load(ref)`` (an index argument is deprecated:
+# index the ref with ``.at``); jax 0.10 requires the index argument.
+_LOAD_NEEDS_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
+
+
+def smem_load(ref, *, layout):
+  """``plgpu.load`` of the whole ``ref`` (index it with ``.at`` first) in ``layout``, on
+  every supported jax."""
+  if _LOAD_NEEDS_INDEX:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
 
 
 def num_sms() -> int:

@@ -69,7 +69,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import contract
-from jaxrl_kernels.pallas._common import DEFAULT_NUM_SMS, LOG2E, cdiv, num_sms, round_up
+from jaxrl_kernels.pallas._common import (
+  DEFAULT_NUM_SMS,
+  LOG2E,
+  cdiv,
+  num_sms,
+  round_up,
+  smem_load,
+)
 
 # The contract's constants: query rows per compute warpgroup (the wgmma M),
 # and the key tile walked in ascending order from key 0. A decode step runs a
@@ -184,7 +191,7 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
     plgpu.barrier_wait(last_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    last = plgpu.load(last_smem, (), layout=row_layout)  # int32 [BLOCK_Q], -1: sees nothing
+    last = smem_load(last_smem, layout=row_layout)  # int32 [BLOCK_Q], -1: sees nothing
     m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
     den = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0, jnp.float32), plgpu.Layout.WGMMA)

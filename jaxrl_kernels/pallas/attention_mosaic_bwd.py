@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels.pallas import attention_mosaic, attention_triton
-from jaxrl_kernels.pallas._common import LOG2E, cdiv, round_up, smem_transforms
+from jaxrl_kernels.pallas._common import LOG2E, cdiv, round_up, smem_load, smem_transforms
 
 # Free knobs of the backward (gradients are not part of the forward's contract): keys per
 # dK/dV compute warpgroup (the wgmma M) and query rows per step (per dQ warpgroup).
@@ -117,8 +117,8 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
       s_t = pl.run_scoped(st_scope, plgpu.ACC(shape, jnp.float32))
       plgpu.barrier_wait(last_loaded.at[slot])
       plgpu.barrier_wait(lse_loaded.at[slot])
-      last = plgpu.load(last_smem.at[slot], (), layout=col)
-      lse = plgpu.load(lse_smem.at[slot], (), layout=col)
+      last = smem_load(last_smem.at[slot], layout=col)
+      lse = smem_load(lse_smem.at[slot], layout=col)
       visible = keys <= lax.broadcast_in_dim(last, shape, [1])
       p_t = jnp.where(visible, jnp.exp2(s_t * scale2 - lax.broadcast_in_dim(lse, shape, [1])),
                       0.0)
@@ -132,7 +132,7 @@ def _kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, last_ref, qstart_re
       zero_t = plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
       dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zero_t)))
       plgpu.barrier_wait(delta_loaded.at[slot])
-      delta = plgpu.load(delta_smem.at[slot], (), layout=col)
+      delta = smem_load(delta_smem.at[slot], layout=col)
       ds_t = jnp.where(visible, p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1])), 0.0)
 
       def dk_update(dk_ref):
@@ -228,15 +228,15 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref
     plgpu.barrier_wait(lse_loaded.at[wg])
     plgpu.barrier_wait(last_loaded.at[wg])
     row = plgpu.Layout.WGMMA.reduce(1)  # a [BWD_BLOCK_Q] vector along the rows
-    lse = plgpu.load(lse_smem2.at[wg], (), layout=row)
-    last = plgpu.load(last_smem2.at[wg], (), layout=row)
+    lse = smem_load(lse_smem2.at[wg], layout=row)
+    last = smem_load(last_smem2.at[wg], layout=row)
     plgpu.barrier_wait(q_loaded.at[wg])
     plgpu.barrier_wait(do_loaded.at[wg])
     plgpu.barrier_wait(o_loaded.at[wg])
     # delta = rowsum(dO * O) (0 where the row sees no key), one in-register row reduction,
     # the same for every row; written out for the dK/dV kernel.
-    d_o = plgpu.load(do_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    o = plgpu.load(o_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    d_o = smem_load(do_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    o = smem_load(o_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     delta = jnp.where(last >= 0, jnp.sum(d_o * o, axis=1), 0.0)
     delta_smem2.at[wg][...] = delta
     plgpu.commit_smem()

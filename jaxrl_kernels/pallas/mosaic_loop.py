@@ -40,6 +40,7 @@ from jaxrl_kernels.pallas._common import (
   cdiv,
   mosaic_warpgroup_params,
   num_sms,
+  smem_load,
   smem_transforms,
 )
 
@@ -185,7 +186,7 @@ def _fold_chunk(acc_ref, reg_slots, smem_slots, c, ends, chunks: int, levels: in
   def read(i):
     if i < n_reg:
       return reg_slots[i][...]
-    return plgpu.load(smem_slots, (i - n_reg,), layout=layout)
+    return smem_load(smem_slots.at[i - n_reg], layout=layout)
 
   def write(i, value):
     if i < n_reg:
