@@ -99,6 +99,7 @@ class _Static:
   merge: str
   config: BackwardConfig | None
   check_vma: bool
+  entropy: bool  # the caller returns the entropy (else its terms may be left out)
 
   @property
   def n_global_tiles(self) -> int:
@@ -170,7 +171,7 @@ def _forward(hidden, weight, bias, temp, targets, mask, st: _Static):
   t_arg = 1.0 if temp is None else temp
   m, s, u, tz = _per_valid(st, lambda valid: be.tile_partials(
       hidden, weight, bias, local_t, layout=st.layout, temperature=t_arg,
-      compute_dtype=st.compute_dtype, vocab_offset=0, valid_vocab=valid))
+      compute_dtype=st.compute_dtype, vocab_offset=0, valid_vocab=valid, entropy=st.entropy))
   if st.merge == "all_gather":
     # Tiles past the vocabulary (padding) sit at the end of the global order: dropped.
     n = st.n_global_tiles
@@ -215,7 +216,7 @@ def _fused_bwd(st, res, cts):
     return api.backend(st.implementation).backward(
         hidden, weight, bias, local_t, lse, mean_z, g_logp, g_ent, layout=st.layout,
         temperature=1.0 if temp is None else temp, compute_dtype=st.compute_dtype,
-        vocab_offset=0, valid_vocab=valid, config=st.config)
+        vocab_offset=0, valid_vocab=valid, config=st.config, entropy=st.entropy)
 
   dh, dw, db = _per_valid(st, local)
   db = None if bias is None else db.astype(bias.dtype)
@@ -350,7 +351,7 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
     _check_same_across(axis_name, hidden=h2, targets=t2, mask=m2)
   h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
   st = _Static(weight_layout, x.compute_dtype.name, impl, vocab_size, axis_name, tp, v_s, merge,
-               config, check_vma)
+               config, check_vma, return_entropy)
   logp, ent = _fused(h2, w, x.bias, sp.temperature_scalar(x.temperature), t2, m2, st)
   logp, ent = logp.reshape(lead), ent.reshape(lead)
   return (logp, ent) if return_entropy else logp

@@ -1,6 +1,8 @@
 """Vocab-parallel linear_logp on the 8-device CPU mesh: bitwise TP invariance, gradients, errors."""
 
+import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_kernels._compat import shard_map
-from jaxrl_kernels.linear_logp import VOCAB_TILE, linear_logp
+from jaxrl_kernels.linear_logp import VOCAB_TILE, BackwardConfig, api, linear_logp
 from jaxrl_kernels.linear_logp.vocab_parallel import (
   pad_vocab,
   padded_vocab_size,
@@ -341,3 +343,50 @@ def test_misleading_names_fixed():
                         weight_layout="bad", implementation=IMPL)
   with pytest.raises(ValueError, match="pad_vocab: weight_layout must be one of"):
     pad_vocab(w, 8, weight_layout="HV")
+
+
+def test_no_entropy_reaches_the_kernels_as_a_hint():
+  """``return_entropy=False`` reaches the backend's forward and backward as ``entropy=False``
+  (a kernel may then leave the entropy's terms out; the Mosaic ones do), in the unsharded
+  and the vocab-parallel op alike, and ``True`` otherwise. logp keeps its bits; with the
+  GEMM backward (which leaves the entropy term out) the TP = 4 gradients equal, as values,
+  those of the entropy-returning call whose entropy the loss leaves unused."""
+  x, w, tg, _, _ = _case(seed=6)
+  seen = []
+
+  def record(f, what):
+    def call(*args, **kw):
+      seen.append((what, kw.get("entropy", True)))
+      return f(*args, **kw)
+    return call
+
+  be = api.backend(IMPL)
+  spy = dataclasses.replace(be, tile_partials=record(be.tile_partials, "forward"),
+                            backward=record(be.backward, "backward"))
+  cfg = BackwardConfig(kernel="gemm")
+  wp = pad_vocab(w, 4)
+  gl = jax.random.normal(jax.random.key(7), (T,))
+
+  def run(entropy, sharded):
+    def loss(h, ww):
+      if sharded:
+        out = vocab_parallel_logp(h, ww, tg, mesh=_mesh(4), weight_spec=P(None, "tp"),
+                                  vocab_size=V, return_entropy=entropy, config=cfg,
+                                  implementation=IMPL)
+      else:
+        out = linear_logp(h, ww, tg, return_entropy=entropy, config=cfg, implementation=IMPL)
+      lp = out[0] if entropy else out
+      return jnp.sum(lp * gl), lp
+    seen.clear()
+    with mock.patch.dict(api.BACKENDS, {IMPL: spy}):
+      (_, lp), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+          x, wp if sharded else w)
+    assert {e for _, e in seen} == {entropy} and {k for k, _ in seen} == {"forward", "backward"}
+    return lp, grads
+
+  for sharded in (False, True):
+    lp, grads = run(False, sharded)
+    lp_e, grads_e = run(True, sharded)
+    assert_bitwise_equal(lp, lp_e, f"logp without vs with the entropy, sharded={sharded}")
+    for name, a, b in zip(("dh", "dw"), grads, grads_e, strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {sharded}")
