@@ -451,7 +451,7 @@ def linear_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
                                   compute_dtype=x.compute_dtype)
     else:
       st = _Static(weight_layout, x.compute_dtype.name, impl, x.vocab_size, config,
-                   return_entropy)
+                   bool(return_entropy))
       logp, ent = _fused(h2, w, x.bias, temp, t2, m2, st)
   logp = logp.reshape(lead)
   ent = ent.reshape(lead)

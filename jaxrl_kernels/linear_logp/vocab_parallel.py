@@ -351,7 +351,7 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
     _check_same_across(axis_name, hidden=h2, targets=t2, mask=m2)
   h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
   st = _Static(weight_layout, x.compute_dtype.name, impl, vocab_size, axis_name, tp, v_s, merge,
-               config, check_vma, return_entropy)
+               config, check_vma, bool(return_entropy))
   logp, ent = _fused(h2, w, x.bias, sp.temperature_scalar(x.temperature), t2, m2, st)
   logp, ent = logp.reshape(lead), ent.reshape(lead)
   return (logp, ent) if return_entropy else logp

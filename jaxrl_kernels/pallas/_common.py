@@ -68,8 +68,8 @@ def mosaic_warpgroup_params() -> plgpu.CompilerParams:
 
 # jax 0.11 loads a whole ref with ``plgpu.load(ref)`` (an index argument is deprecated:
 # index the ref with ``.at``); jax 0.10 requires the index argument.
-_LOAD_NEEDS_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
-                     is inspect.Parameter.empty)
+_LOAD_INDEX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_NEEDS_INDEX = _LOAD_INDEX is not None and _LOAD_INDEX.default is inspect.Parameter.empty
 
 
 def smem_load(ref, *, layout):

@@ -3,6 +3,9 @@ Pallas kernels' semantics (interpret mode): partials and merge, masks, bad targe
 transforms, memory. Row invariance of the outputs and dH for every implementation:
 tests/test_contract.py."""
 
+import dataclasses
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,8 @@ from jax.experimental import checkify
 
 from jaxrl_kernels.linear_logp import (
     VOCAB_TILE,
+    BackwardConfig,
+    api,
     check_targets,
     finalize,
     linear_logp,
@@ -493,3 +498,44 @@ def test_epilogue_forms_without_entropy_keep_the_values():
   # Control: a non-zero entropy cotangent changes dz.
   assert not np.array_equal(np.asarray(sp.logit_grad(*args, gl, ok, None, mask_p=True)),
                             np.asarray(zero))
+
+
+@pytest.mark.parametrize("kernel", ["fused", "gemm"])
+def test_a_forward_without_u_keeps_logp_and_gradients(kernel):
+  """What the Mosaic forward does for ``entropy=False`` (``u`` zeros), emulated on the
+  interpret backend by a forward that zeroes ``u`` on that hint: logp keeps its bits, and
+  both backwards (the fused kernel, which still reads ``mean_z`` with ``g_ent = 0``, and the
+  GEMM backward, which leaves the entropy term out) give finite gradients equal to the
+  entropy-returning call's. A -inf bias column, masked rows and a temperature among them."""
+  be = api.backend("interpret")
+  hints = []
+
+  def partials(*args, entropy=True, **kw):
+    hints.append(entropy)
+    m, s, u, tz = be.tile_partials(*args, **kw)
+    return m, s, (u if entropy else jnp.zeros_like(u)), tz
+
+  spy = dataclasses.replace(be, tile_partials=partials)
+  k = jax.random.split(jax.random.key(12), 5)
+  x = jax.random.normal(k[0], (37, 40))
+  w = jax.random.normal(k[1], (40, 300))
+  b = jax.random.normal(k[2], (300,)).at[5].set(-jnp.inf)
+  t = jax.random.randint(k[3], (37,), 0, 300)
+  mask = jnp.arange(37) % 5 != 0
+  gl = jax.random.normal(k[4], (37,))
+
+  def run(entropy):
+    def loss(x, w):
+      out = linear_logp(x, w, t, bias=b, mask=mask, temperature=0.8, return_entropy=entropy,
+                        implementation="interpret", config=BackwardConfig(kernel=kernel))
+      lp = out[0] if entropy else out
+      return jnp.sum(lp * gl), lp
+    with mock.patch.dict(api.BACKENDS, {"interpret": spy}):
+      return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+
+  (grads, lp), (grads_e, lp_e) = run(False), run(True)
+  assert set(hints) == {False, True}  # the forward without u ran
+  assert_bitwise_equal(lp, lp_e, "logp from a forward without u")
+  for name, a, r in zip(("dx", "dw"), grads, grads_e, strict=True):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(r), err_msg=name)
