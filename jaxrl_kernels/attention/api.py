@@ -77,6 +77,9 @@ class _Static:
   # q and the output as [B, H, Tq, D] (the Mosaic forward's ``heads_major``): a decode
   # step's query heads reach its kernel with no copy.
   heads_major: bool = False
+  # Every query row sees at least one key (default positions and lengths, Tq <= S): the
+  # backward has no padding rows to clear (``AttentionBackend.backward``'s hint).
+  every_row_sees_a_key: bool = False
 
 
 # One jitted function per kernel shape, however many layers call it (_backend.kernel_jit).
@@ -108,7 +111,8 @@ def _backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, st):
   if st.heads_major:  # the backward kernels take [B, Tq, H, D]
     q, out, d_out = (x.transpose(0, 2, 1, 3) for x in (q, out, d_out))
   dq, dk, dv = BACKENDS[st.impl].backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
-                                          scale=st.scale)
+                                          scale=st.scale,
+                                          every_row_sees_a_key=st.every_row_sees_a_key)
   return (dq.transpose(0, 2, 1, 3) if st.heads_major else dq), dk, dv
 
 
@@ -221,6 +225,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       impl = "triton"
   bsz, tq, _, _ = q.shape
   s_len = k.shape[1]
+  # The default positions S - Tq + i with the default lengths S: every query sees key 0
+  # when Tq <= S, so no row is padding (a static hint to the backward; same bits).
+  every_row = q_positions is None and kv_lengths is None and tq <= s_len
   if q_positions is None:
     q_positions = jnp.broadcast_to(s_len - tq + jnp.arange(tq, dtype=jnp.int32), (bsz, tq))
   if kv_lengths is None:
@@ -231,7 +238,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return causal_attention_xla(q, k, v, q_positions, kv_lengths, scale=scale)
   if q.size == 0 or s_len == 0:
     return jnp.zeros_like(q)
-  return _grouped_as_rows(q, k, v, q_positions, kv_lengths, _Static(scale, impl))
+  return _grouped_as_rows(q, k, v, q_positions, kv_lengths,
+                          _Static(scale, impl, every_row_sees_a_key=every_row))
 
 
 def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):

@@ -3,7 +3,11 @@
 A backend's ``forward(q, k, v, q_positions, kv_lengths, *, scale)`` returns the
 output ``[B, Tq, Hq, D]`` and the base-2 logsumexp ``[B, Hq, Tq]`` (the
 residual its ``backward`` takes); ``backward(q, k, v, q_positions, kv_lengths,
-out, lse2, d_out, *, scale)`` returns ``(dq, dk, dv)``. ``supported(d, dtype)``
+out, lse2, d_out, *, scale, every_row_sees_a_key=False)`` returns ``(dq, dk, dv)``.
+``every_row_sees_a_key=True`` is ``causal_attention``'s promise that no query row is
+padding (its default positions and lengths with ``Tq <= S``): a backend that clears
+padding rows before its kernels (the Mosaic dK/dV) may skip that pass; the gradients'
+bits are the same either way. ``supported(d, dtype)``
 decides by head dim and dtype only (static, equal for a model's decode and
 prefill), never by ``B``, ``Tq`` or ``S``.
 """
@@ -21,8 +25,8 @@ class AttentionBackend:
   Attributes:
     name: the ``implementation=`` name.
     forward: ``(q, k, v, q_positions, kv_lengths, *, scale) -> (out, lse2)``.
-    backward: ``(q, k, v, q_positions, kv_lengths, out, lse2, d_out, *, scale)
-      -> (dq, dk, dv)``.
+    backward: ``(q, k, v, q_positions, kv_lengths, out, lse2, d_out, *, scale,
+      every_row_sees_a_key=False) -> (dq, dk, dv)``.
     supported: ``(d, dtype) -> None`` or the reason this backend cannot run it.
   """
 

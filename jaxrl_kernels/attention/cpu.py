@@ -217,11 +217,15 @@ def _row_sum(x: jax.Array) -> jax.Array:
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
              kv_lengths: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array, *,
-             scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+             scale: float, every_row_sees_a_key: bool = False
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(dq, dk, dv)`` in the input dtypes, from the forward's ``out`` and ``lse2``.
 
   ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = scale dS K``,
   ``dK = scale dS^T Q`` (summed over the query heads of a kv head), ``dV = P^T dO``.
+  ``every_row_sees_a_key`` (``AttentionBackend``'s hint) is not used: the rows are
+  cleared inside the layout copies this backward makes anyway, and the CPU code's bits
+  stay those of one program.
   """
   bsz, tq, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]

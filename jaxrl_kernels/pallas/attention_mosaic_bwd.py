@@ -33,8 +33,9 @@ masked term is a select.
 
 Garbage: ``Q`` and ``dO`` rows of queries that see no key (padding; position -1)
 are zeroed before the kernel, since ``0 * NaN`` inside a wgmma would reach every
-key's ``dK``/``dV``; keys past ``kv_len`` only reach masked (selected) terms of
-their own rows, and rows past ``S`` are TMA zero-fill.
+key's ``dK``/``dV`` (a pass that ``every_row_sees_a_key`` skips: with
+``causal_attention``'s default positions no row is padding); keys past ``kv_len`` only
+reach masked (selected) terms of their own rows, and rows past ``S`` are TMA zero-fill.
 
 Supported: bf16 / fp16, ``D`` in ``HEAD_DIMS``, ``Hq`` a multiple of ``Hkv`` (grouped
 heads as they are: a dQ CTA reads its query head's kv head; a dK/dV CTA walks each query
@@ -310,7 +311,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, o_ref, last_ref, ntiles_ref
 
 
 def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
-        split_rows: int = 2048):
+        split_rows: int = 2048, every_row_sees_a_key: bool = False):
   """``(dk, dv)`` in k's and v's dtypes: ``dK = scale dS^T Q``, ``dV = P^T dO``.
 
   ``q [B, Tq, Hq, D]`` and ``d_out`` (q's dtype), ``k, v [B, S, Hkv, D]`` (``Hq = G *
@@ -321,12 +322,17 @@ def dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale: float,
   ``max(1, split_rows // (BWD_BLOCK_Q * G))`` blocks of each head. When one range holds all
   of a row's query blocks (and k and v share a dtype), the kernel writes ``dk``, ``dv``
   itself; otherwise float32 partials per range, summed in range order.
+  ``every_row_sees_a_key=True`` promises no padding rows (``causal_attention``'s default
+  positions and lengths): ``q`` and ``d_out`` reach the kernel without the pass that
+  zeroes padding rows (a read and write of both; its select is then the identity, so the
+  bits are the same).
   """
   return _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
-              split_rows=split_rows, direct=None)
+              split_rows=split_rows, direct=None, every_row_sees_a_key=every_row_sees_a_key)
 
 
-def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_rows, direct):
+def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_rows, direct,
+         every_row_sees_a_key=False):
   """:func:`dkv`, with ``direct`` (the kernel writing the gradients; ``None``: whenever it
   can) a choice for the tests."""
   attention_triton.check_operands("dkv", q, k, v, q_positions, kv_lengths,
@@ -345,10 +351,12 @@ def _dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, *, scale, split_ro
   tq_pad = n_qb * BWD_BLOCK_Q
   kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), s_len)
   last = jnp.maximum(jnp.minimum(q_positions.astype(jnp.int32), kv_len[:, None] - 1), -1)
-  # Rows that see no key: zeros, not whatever they hold (0 * NaN inside a wgmma).
-  sees = (last >= 0)[:, :, None, None]
-  q = jnp.where(sees, q, jnp.zeros((), q.dtype))
-  d_out = jnp.where(sees, d_out.astype(q.dtype), jnp.zeros((), q.dtype))
+  d_out = d_out.astype(q.dtype)
+  if not every_row_sees_a_key:
+    # Rows that see no key: zeros, not whatever they hold (0 * NaN inside a wgmma).
+    sees = (last >= 0)[:, :, None, None]
+    q = jnp.where(sees, q, jnp.zeros((), q.dtype))
+    d_out = jnp.where(sees, d_out, jnp.zeros((), q.dtype))
   if tq_pad != tq:
     rows = ((0, 0), (0, tq_pad - tq))
     q = jnp.pad(q, (*rows, (0, 0), (0, 0)))
@@ -501,12 +509,14 @@ def dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, *, scale: float):
 
 
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
-             config: attention_triton.BackwardConfig | None = None):
+             config: attention_triton.BackwardConfig | None = None,
+             every_row_sees_a_key: bool = False):
   """``(dq, dk, dv)`` by :func:`dq` and :func:`dkv` (the Triton kernels where
   :func:`attention_mosaic.supported` says no or the head dim is not in
   ``BACKWARD_HEAD_DIMS``). Grouped query heads (``Hq = G * Hkv``) reach the kernels as
   they are: dQ and delta are per query row (the bits of the same rows in the folded
-  layout); each key CTA walks its group's heads (dK, dV sums in that order)."""
+  layout); each key CTA walks its group's heads (dK, dV sums in that order).
+  ``every_row_sees_a_key``: :func:`dkv`'s, from ``causal_attention``'s default positions."""
   if (attention_mosaic.supported(q.shape[3], q.dtype) is not None
       or q.shape[3] not in BACKWARD_HEAD_DIMS):
     return attention_triton.backward(q, k, v, q_positions, kv_lengths, out, lse, d_out,
@@ -515,5 +525,5 @@ def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
   d_out = d_out.astype(q.dtype)
   dq_, delta = dq(q, k, v, q_positions, kv_lengths, d_out, lse, out, scale=scale)
   dk, dv = dkv(q, k, v, q_positions, kv_lengths, d_out, lse, delta, scale=scale,
-               split_rows=cfg.dkv_split_rows)
+               split_rows=cfg.dkv_split_rows, every_row_sees_a_key=every_row_sees_a_key)
   return dq_, dk, dv

@@ -496,11 +496,14 @@ def backward_dq(q, k, v, q_positions, kv_lengths, out, d_out, lse, *, scale: flo
 
 
 def backward(q, k, v, q_positions, kv_lengths, out, lse, d_out, *, scale: float,
-             interpret: bool, config: BackwardConfig | None = None):
+             interpret: bool, config: BackwardConfig | None = None,
+             every_row_sees_a_key: bool = False):
   """``(dq, dk, dv)`` in the input dtypes, from the forward's ``out`` and ``lse``.
 
   ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale dS K``,
   ``dK = scale dS^T Q`` (summed over the query heads of a kv head), ``dV = P^T dO``.
+  ``every_row_sees_a_key`` (``AttentionBackend``'s hint) changes nothing here: the
+  kernels' loads mask padding rows themselves, at no extra pass.
   """
   check_operands("backward", q, k, v, q_positions, kv_lengths,
                  {"out": out.shape, "d_out": d_out.shape}, {"lse": lse.shape})

@@ -700,3 +700,64 @@ def test_mosaic_backward_kernels_lower_for_cuda(b, tq, s_len, d, hq):
     attention_mosaic_bwd.dkv(*(jnp.zeros(a.shape, a.dtype) for a in
                                (three, *args[1:5], three, sd((b, 3, tq), f32),
                                 sd((b, 3, tq), f32))), scale=1.0)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_mosaic_dkv_without_padding_rows_lowers_without_the_clearing_pass(flag):
+  """``dkv(every_row_sees_a_key=True)`` hands q and d_out to the kernel as they are: its
+  CUDA module has no bf16 select of their shape. The control (False, the general call)
+  has the select that zeroes padding rows. Bits (the same either way): the GPU test
+  test_attention_mosaic_gpu.py::test_default_positions_keep_the_gradient_bits."""
+  from jaxrl_kernels.pallas import attention_mosaic_bwd
+  b, tq, hq, d = 1, 256, 4, 128
+  bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
+  sd = jax.ShapeDtypeStruct
+  rows, kv, stats = sd((b, tq, hq, d), bf16), sd((b, tq, 2, d), bf16), sd((b, hq, tq), f32)
+  fn = jax.jit(functools.partial(attention_mosaic_bwd.dkv, scale=d ** -0.5,
+                                 every_row_sees_a_key=flag))
+  text = jax.export.export(fn, platforms=["cuda"])(
+      rows, kv, kv, sd((b, tq), i32), sd((b,), i32), rows, stats, stats).mlir_module()
+  assert "mosaic_gpu" in text
+  select = re.compile(rf"stablehlo\.select[^\n]*tensor<{b}x{tq}x{hq}x{d}xbf16>")
+  assert bool(select.search(text)) != flag
+
+
+def test_default_positions_tell_the_backward_no_row_is_padding(monkeypatch):
+  """``causal_attention`` promises the backward ``every_row_sees_a_key`` exactly where no
+  row can be padding: default positions and lengths with Tq <= S. Explicit positions or
+  lengths (even the default values), or more queries than keys, keep the general pass.
+  The hint reaches the backend's backward; the gradients are those of the explicit call."""
+  from jaxrl_kernels.attention import api
+  from jaxrl_kernels.attention.base import AttentionBackend
+
+  seen, promised = [], []
+  cpu = api.BACKENDS["cpu"]
+  grouped = api._grouped_as_rows
+
+  def spy(*args):
+    promised.append(args[-1].every_row_sees_a_key)
+    return grouped(*args)
+  monkeypatch.setattr(api, "_grouped_as_rows", spy)
+
+  def backward(*args, every_row_sees_a_key, **kw):
+    seen.append(every_row_sees_a_key)
+    return cpu.backward(*args, every_row_sees_a_key=every_row_sees_a_key, **kw)
+  monkeypatch.setitem(api.BACKENDS, "cpu", AttentionBackend(
+      "cpu", forward=cpu.forward, backward=backward, supported=cpu.supported))
+
+  b, t, s, d = 2, 9, 9, 16
+  q, k, v = inputs(5, b, t, s, 4, 2, d, jnp.float32)
+
+  def grads(q, k, v, **kw):
+    f = lambda q, k, v: jnp.sum(jnp.sin(causal_attention(q, k, v, implementation="cpu", **kw)))  # noqa: E731
+    return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+  default = grads(q, k, v)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  explicit = grads(q, k, v, q_positions=pos)
+  grads(q, k, v, kv_lengths=jnp.full((b,), s, jnp.int32))
+  grads(q[:, :4], k[:, :3], v[:, :3])  # Tq > S: the first query has position -1
+  assert promised == [True, False, False, False]
+  assert seen[:2] == [True, False]  # the backward's own traces (the later two reuse one)
+  for name, a, c in zip("qkv", default, explicit, strict=True):
+    assert_bitwise_equal(a, c, f"d{name}")

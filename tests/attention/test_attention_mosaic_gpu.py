@@ -432,3 +432,35 @@ def test_dq_kernel_matches_float64_and_ignores_garbage_keys(d, t, h, hkv):
                                                                   split_rows=split))
     for name, a, c in zip(("dk", "dv"), g(*dirty), g(*args), strict=True):
       assert_bitwise_equal(a, c, f"{name} with NaN keys past kv_len, split {split}")
+
+
+@pytest.mark.parametrize("t,hq,hkv", [(1000, HQ, HQ), (700, 6, 2), (300, 6, 2)])
+def test_default_positions_keep_the_gradient_bits(t, hq, hkv):
+  """Default positions and lengths let the dK/dV skip the pass that zeroes padding rows
+  (``every_row_sees_a_key``): every gradient keeps the bits of the same positions and
+  lengths passed explicitly (which run that pass), at MHA and grouped heads, unfolded and
+  folded (300 queries: below ``api.UNFOLDED_MIN_QUERIES``); and NaN in a row whose
+  explicit position is -1 still reaches no gradient of the general call (the control that
+  the pass runs there)."""
+  q, k, v = inputs(23, 2, t, hq, hkv, D, jnp.bfloat16, spread=2)
+  d_out = jax.random.normal(jax.random.key(24), q.shape, jnp.bfloat16)
+
+  @jax.jit
+  def grads(q, k, v, pos, kvl, d_out):
+    _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, pos, kvl), q, k, v)
+    return vjp(d_out)
+
+  @jax.jit
+  def grads_default(q, k, v, d_out):
+    _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v), q, k, v)
+    return vjp(d_out)
+
+  pos = arange_pos(2, t)
+  kvl = jnp.full((2,), t, jnp.int32)
+  for name, a, c in zip("qkv", grads_default(q, k, v, d_out), grads(q, k, v, pos, kvl, d_out),
+                        strict=True):
+    assert_bitwise_equal(a, c, f"d{name}")
+  pad = pos.at[:, -1].set(-1)
+  q_nan, do_nan = q.at[:, -1].set(jnp.nan), d_out.at[:, -1].set(jnp.nan)
+  for name, g in zip("qkv", grads(q_nan, k, v, pad, kvl, do_nan), strict=True):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), f"d{name} with a NaN padding row"
