@@ -276,6 +276,20 @@ def as_scalar(op: str, name: str, value: Any, *, positive: bool = False,
   return v
 
 
+def as_temperature(op: str, value: Any, *, name: str = "temperature"
+                   ) -> float | jax.Array:
+  """A sampling/scoring temperature: :func:`as_scalar` with ``positive``, and a concrete
+  value's reciprocal must be finite in float32 (the dtype temperatures are applied in), so
+  ``1e-42`` is refused rather than turned into inf/NaN log-probs."""
+  t = as_scalar(op, name, value, positive=True)
+  if not isinstance(t, jax.Array):
+    f32_max = float(np.finfo(np.float32).max)
+    if not 1.0 / f32_max <= t <= f32_max:
+      raise ValueError(f"{op}: {name} must lie in [{1.0 / f32_max:.4g}, {f32_max:.4g}] (it and "
+                       f"its reciprocal must be finite in float32), got {t!r}")
+  return t
+
+
 def check_int(op: str, name: str, value: Any, *, minimum: int | None = None) -> int:
   """Returns a Python/numpy integer as ``int``; floats, bools and arrays are TypeErrors."""
   if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
