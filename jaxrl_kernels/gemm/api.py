@@ -102,8 +102,8 @@ def resolve_implementation(implementation: str | None, dtype, n: int, k: int) ->
   why = backend(impl).supported(n, k, dtype)
   if why is None:
     return impl
-  if implementation is None and impl == "mosaic":
-    return "triton"
+  if implementation is None and backend(impl).fallback is not None:
+    return backend(impl).fallback
   raise ValueError(f"{_OP}: implementation={impl!r} cannot run a weight with K={k}, N={n} "
                    f"({why}); use implementation='triton'")
 

@@ -41,9 +41,40 @@ class GemmBackend:
       ``[K, N]`` weight of ``dtype``, else the reason it cannot.
     batch_invariant: whether rows of the forward product are bitwise invariant
       (False only for the ``"xla"`` baseline).
+    fallback: the implementation a default (``implementation=None``) call runs for a
+      weight this backend does not take (``supported`` says why), by N, K and dtype only.
+
+  What the row-parallel chunk plan (``gemm/row_parallel.py``) may ask of a backend; each
+  choice gives the bits of the chunk products it replaces:
+    vmaps_chunks: ``jax.vmap`` of ``matmul`` over a leading chunk axis runs each chunk as
+      exactly the computation of one call on it (one launch for the C chunk products).
+    shape_free: every output element's walk is fixed whatever the product's M, N or
+      reduction rows, so per-chunk backward products may run as one product over all chunks.
+    pads_k: runs K chunks that are not whole K tiles zero-padded to whole tiles (the zero
+      terms add exactly 0).
+    training_of_padded: the implementation whose unpadded chunk products a differentiated
+      call runs for a padded plan (the same bits without the pad copies).
+    grouped_matmul: ``grouped_matmul(lhs [M, C*Kc] or [C, M, Kc], rhs [C, Kc, N], *,
+      out_dtype)``: the C chunk products in one launch.
+    chunk_tree_matmul: ``chunk_tree_matmul(x, w, bias, *, chunks, out_dtype)``: the chunk
+      products and their adjacent-pair tree in one launch (no float32 partials in memory).
+    takes_whole: ``takes_whole(m, k, n)``: whether ``dx`` and ``dw`` of an unpadded
+      ``[k, n]`` weight run on this backend as whole products.
+    epilogues: its kernel (``pallas/gemm_mosaic.py``) takes the accumulate (``acc=``) and
+      element-wise epilogues that the ``linear_logp`` backward fuses (bitwise the unfused
+      form).
   """
 
   name: str
   matmul: MatmulFn
   supported: SupportFn = always_supported
   batch_invariant: bool = True
+  fallback: str | None = None
+  vmaps_chunks: bool = False
+  shape_free: bool = False
+  pads_k: bool = False
+  training_of_padded: str | None = None
+  grouped_matmul: MatmulFn | None = None
+  chunk_tree_matmul: MatmulFn | None = None
+  takes_whole: Callable[[int, int, int], bool] | None = None
+  epilogues: bool = False

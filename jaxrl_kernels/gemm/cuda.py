@@ -20,4 +20,6 @@ def supported(n: int, k: int, dtype) -> str | None:
   return None
 
 
-BACKEND = GemmBackend("cuda", gemm_ffi.matmul_cuda, supported)
+# The FFI call is vmapped sequentially (each chunk its own call); CUTLASS picks its tile
+# by shape, so the backward runs one product per chunk (not shape_free).
+BACKEND = GemmBackend("cuda", gemm_ffi.matmul_cuda, supported, vmaps_chunks=True)

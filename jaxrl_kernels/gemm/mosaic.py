@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels import _backend
 from jaxrl_kernels.contract import GEMM_TILE_K
 from jaxrl_kernels.gemm.base import GemmBackend
 from jaxrl_kernels.pallas import gemm_mosaic, gemm_triton
@@ -47,4 +48,31 @@ def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transpos
   return gemm_mosaic.matmul(lhs, rhs, **kw)
 
 
-BACKEND = GemmBackend("mosaic", matmul, supported)
+def takes_whole(m: int, k: int, n: int) -> bool:
+  """Whether the Mosaic kernel runs ``dx = dy @ w^T`` (``[m, n] x [n, k]``) and ``dw = x^T
+  @ dy`` (``[k, m] x [m, n]``) of an unpadded ``[k, n]`` weight. A row-parallel plan's
+  chunks may be off the K tile (a padded plan) while the whole ``k`` is not: each element's
+  walk is over ``n`` (dx) or the tokens (dw), which the padding does not touch, so the
+  unpadded whole products have the padded layout's bits, without its copies of x and dx."""
+  dx = gemm_mosaic.supported_shape(m, k, n, gemm_mosaic.default_config(m, k, n),
+                                   lhs_transposed=False, rhs_transposed=True)
+  tokens = round_up(m, GEMM_TILE_K)  # matmul pads them
+  dw = gemm_mosaic.supported_shape(k, n, tokens, gemm_mosaic.default_config(k, n, tokens),
+                                   lhs_transposed=True, rhs_transposed=False)
+  return dx is None and dw is None
+
+
+# One jitted function per shape, however many layers call it (_backend.kernel_jit): each
+# call site would otherwise lower and compile its own Mosaic kernel.
+@_backend.kernel_jit(static_argnames=("out_dtype",))
+def grouped_matmul(lhs, rhs, *, out_dtype):
+  return gemm_mosaic.grouped_matmul(lhs, rhs, out_dtype=out_dtype)
+
+
+# A Pallas mesh kernel has no batching rule: chunk products run as one grouped launch or the
+# chunk tree; every config gives an element the same walk (shape_free). A differentiated
+# call runs a padded plan's forward unpadded on the Triton kernel (gemm/row_parallel.py).
+BACKEND = GemmBackend("mosaic", matmul, supported, fallback="triton", shape_free=True,
+                      pads_k=True, training_of_padded="triton", grouped_matmul=grouped_matmul,
+                      chunk_tree_matmul=gemm_mosaic.chunk_tree_matmul, takes_whole=takes_whole,
+                      epilogues=True)

@@ -32,31 +32,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import _backend, _validation, contract
-from jaxrl_kernels.gemm.api import matmul2d, resolve_implementation
-from jaxrl_kernels.pallas import gemm_mosaic
+from jaxrl_kernels import _validation, contract
+from jaxrl_kernels.gemm.api import backend, matmul2d, resolve_implementation
 
 _OP = "row_parallel_matmul"
 MERGES = ("canonical", "psum")
 
-# Implementations whose product, mapped with ``jax.vmap`` over a leading chunk axis, runs
-# each chunk as exactly the computation of one call on that chunk, so the C chunk products
-# cost one launch: the Pallas GEMM of "triton"/"interpret" gains a grid axis (the same
-# program per chunk) and the CUTLASS FFI call is vmapped sequentially. Mosaic's kernel
-# (a Pallas mesh kernel) has no batching rule: its forward chunks run as one grouped launch
-# (``gemm_mosaic.grouped_matmul``, each chunk's tiles reading that chunk's weight); its
-# backward is two whole products (``_SHAPE_FREE``). XLA's CPU dot may pick another blocking
-# for a batched dot: those run one call per chunk, as does the "xla" baseline.
-_STACKED = frozenset({"triton", "interpret", "cuda"})
-# Implementations whose every output element is its own fixed walk whatever the product's
-# M, N or reduction rows (the fixed K tiles of the Pallas kernels, by Triton's one config
-# per dtype, and Mosaic's configs, which all give the same bits; the interpreter's
-# fixed-shape tile dots): the backward's per-chunk products (the dx columns and dw rows of
-# each K chunk) are then one product over all local chunks, with the same bits and no
-# chunk-major copy of x and no concatenation. The "cpu" dots' blocking follows their
-# shapes, and the CUTLASS kernel's tiles are picked by shape: those run one product per
-# chunk (the same shapes at every TP degree).
-_SHAPE_FREE = frozenset({"triton", "interpret", "mosaic"})
+# How the C chunk products run is the backend's record (gemm/base.py: vmaps_chunks,
+# grouped_matmul, shape_free, pads_k, training_of_padded, chunk_tree_matmul, takes_whole):
+# every choice runs the contract's chunk products, so the bits are the same either way.
+# XLA's CPU dot may pick another blocking for a batched dot: "cpu" runs one call per chunk,
+# as does the "xla" baseline; the "cpu" dots' blocking follows their shapes, and CUTLASS
+# picks its tile by shape: those run the backward as one product per chunk too (the same
+# shapes at every TP degree).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +85,6 @@ def pairwise_tree(parts) -> jax.Array:
   return parts[0]
 
 
-# One jitted function per shape, however many layers call it (_backend.kernel_jit): each
-# call site would otherwise lower and compile its own Mosaic kernel.
-@_backend.kernel_jit(static_argnames=("out_dtype",))
-def _grouped_mosaic(lhs, rhs, *, out_dtype):
-  return gemm_mosaic.grouped_matmul(lhs, rhs, out_dtype=out_dtype)
-
-
 def _chunk_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transposed: bool,
                     out_dtype, lhs_stacked: bool, rhs_stacked: bool) -> list[jax.Array]:
   """Product ``c`` of chunk ``c`` of the stacked (``[L, ...]``) operand(s), for each of the
@@ -121,13 +102,14 @@ def _stacked_products(st: _Static, lhs, rhs, *, lhs_transposed: bool, rhs_transp
   fn = functools.partial(matmul2d, lhs_transposed=lhs_transposed,
                          rhs_transposed=rhs_transposed, out_dtype=out_dtype,
                          implementation=st.implementation)
-  if st.implementation in _STACKED:
+  be = backend(st.implementation)
+  if be.vmaps_chunks:
     return jax.vmap(fn, in_axes=(0 if lhs_stacked else None,
                                  0 if rhs_stacked else None))(lhs, rhs)
-  if (st.implementation == "mosaic" and lhs_stacked and rhs_stacked and not lhs_transposed
+  if (be.grouped_matmul is not None and lhs_stacked and rhs_stacked and not lhs_transposed
       and not rhs_transposed and st.local_chunks > 1):
     # A decode step's chunk products are a few microseconds each: one launch for all.
-    return _grouped_mosaic(lhs, rhs, out_dtype=jnp.dtype(out_dtype))
+    return be.grouped_matmul(lhs, rhs, out_dtype=jnp.dtype(out_dtype))
   return jnp.stack([fn(lhs[c] if lhs_stacked else lhs, rhs[c] if rhs_stacked else rhs)
                     for c in range(st.local_chunks)])
 
@@ -151,23 +133,22 @@ def _chunk_weights(w, n: int, k_pad: int = 0) -> jax.Array:
 
 
 # A differentiated call (training) runs a padded plan's forward chunks unpadded on the
-# Triton kernel (one launch for the C chunks); the primal (rollout: prefill and decode)
-# keeps the padded Mosaic plan. The bits are the same either way (every kernel runs the
-# contract's products). On an H100 (Qwen2.5-0.5B, 8192 tokens) the padded forward with its
-# pad copies cost ~5 ms per step more than the unpadded Triton forward. The backward of a
-# padded plan stays on its kernel as two whole products of the padded layout
-# (``_whole_products``); one narrow [K/C + pad]-wide product per chunk took that step to
-# 146 ms against 122 ms stock.
-_TRAINING_OF_PADDED = {"mosaic": "triton"}
+# backend's ``training_of_padded`` kernel (one launch for the C chunks; its pad copies are
+# what a training step's forward would pay per layer); the primal (rollout: prefill and
+# decode) keeps the padded plan. The bits are the same either way (every kernel runs the
+# contract's products). The backward of a padded plan stays on its kernel as two whole
+# products of the padded layout (``_whole_products``), not one narrow [K/C + pad]-wide
+# product per chunk (benchmarks/results/row_parallel_padded_h100.md).
 
 
 def _training_static(st: _Static) -> _Static:
   """The products a differentiated call runs: its forward, and the backward of a kernel
-  outside ``_SHAPE_FREE`` (see above)."""
+  that is not ``shape_free`` (see above)."""
   if not st.k_pad:
     return st
   return dataclasses.replace(
-      st, implementation=_TRAINING_OF_PADDED.get(st.implementation, st.implementation), k_pad=0)
+      st, implementation=backend(st.implementation).training_of_padded or st.implementation,
+      k_pad=0)
 
 
 def _chunk_plan(implementation: str | None, dtype, n: int, k_chunk: int) -> tuple[str, int]:
@@ -183,12 +164,12 @@ def _chunk_plan(implementation: str | None, dtype, n: int, k_chunk: int) -> tupl
   """
   tile = contract.GEMM_TILE_K
   padded = -(-k_chunk // tile) * tile
-  if padded != k_chunk and implementation in (None, "mosaic"):
+  if padded != k_chunk and (implementation is None or backend(implementation).pads_k):
     try:
       impl = resolve_implementation(implementation, dtype, n, padded)
     except ValueError:
       impl = None
-    if impl == "mosaic":
+    if impl is not None and backend(impl).pads_k:
       return impl, padded - k_chunk
   return resolve_implementation(implementation, dtype, n, k_chunk), 0
 
@@ -212,11 +193,10 @@ def _tree_all_reduce(st: _Static, local: jax.Array, finish) -> jax.Array:
   return finish(pairwise_tree(list(lax.all_gather(local, st.axis_name))), 0, n)
 
 
-# Rows from which the unsharded Mosaic forward runs the chunk tree in one launch
-# (``gemm_mosaic.chunk_tree_matmul``: no float32 partials in memory; on an H100 3.1-3.4x the
-# grouped launch + XLA's tree at Qwen2.5-0.5B's o_proj for 8192-32768 rows, 1.1-1.2x at its
-# down_proj). Fewer rows (a decode step) keep the grouped launch, whose C-fold more CTAs fill
-# the GPU. The bits are the contract's either way.
+# Rows from which the unsharded forward runs the backend's chunk tree in one launch
+# (``chunk_tree_matmul``: no float32 partials in memory, faster than the grouped launch +
+# XLA's tree at training sizes). Fewer rows (a decode step) keep the grouped launch, whose
+# C-fold more CTAs fill the GPU. The bits are the contract's either way.
 CHUNK_TREE_MIN_ROWS = 1024
 
 
@@ -227,7 +207,8 @@ CHUNK_VIEW_STEP = 32
 
 
 def _chunk_tree_applies(st: _Static, m: int) -> bool:
-  return st.tp == 1 and st.implementation == "mosaic" and m >= CHUNK_TREE_MIN_ROWS
+  return (st.tp == 1 and backend(st.implementation).chunk_tree_matmul is not None
+          and m >= CHUNK_TREE_MIN_ROWS)
 
 
 def _chunk_tree(st: _Static, x2, w, bias):
@@ -241,7 +222,7 @@ def _chunk_tree(st: _Static, x2, w, bias):
   x_c = x2 if not pad else jnp.pad(x2.reshape(m, c, k // c),
                                    ((0, 0), (0, 0), (0, pad))).reshape(m, -1)
   w_c = _chunk_weights(w, c, pad).reshape(-1, w.shape[1])
-  return gemm_mosaic.chunk_tree_matmul(
+  return backend(st.implementation).chunk_tree_matmul(
       x_c, w_c, None if bias is None else bias.astype(jnp.float32), chunks=c,
       out_dtype=st.out_dtype)
 
@@ -298,22 +279,8 @@ def _full_cotangent(st: _Static, g: jax.Array) -> jax.Array:
   return _tree_all_reduce(st, g.astype(jnp.float32), lambda y, col0, width: y.astype(g.dtype))
 
 
-def _mosaic_takes_whole(m: int, k: int, n: int) -> bool:
-  """Whether the Mosaic kernel runs ``dx = dy @ w^T`` (``[m, n] x [n, k]``) and ``dw = x^T
-  @ dy`` (``[k, m] x [m, n]``) of an unpadded ``[k, n]`` weight. Its chunks may still be
-  off the K tile (a padded plan) while the whole ``k`` is not: each element's walk is over
-  ``n`` (dx) or the tokens (dw), which the padding does not touch, so the unpadded whole
-  products have the padded layout's bits, without its copies of x and of dx."""
-  dx = gemm_mosaic.supported_shape(m, k, n, gemm_mosaic.default_config(m, k, n),
-                                   lhs_transposed=False, rhs_transposed=True)
-  tokens = -(-m // contract.GEMM_TILE_K) * contract.GEMM_TILE_K  # matmul pads them
-  dw = gemm_mosaic.supported_shape(k, n, tokens, gemm_mosaic.default_config(k, n, tokens),
-                                   lhs_transposed=True, rhs_transposed=False)
-  return dx is None and dw is None
-
-
 def _whole_products(st: _Static, x2, w, g):
-  """``(dx, dw)`` as one product each over all local chunks on a ``_SHAPE_FREE`` kernel:
+  """``(dx, dw)`` as one product each over all local chunks on a ``shape_free`` kernel:
   ``dx = dy @ w^T`` (a reduction over N) and ``dw = x^T @ dy`` (over tokens), each element
   with the bits of its chunk's product. A padded plan multiplies the padded layout (each
   chunk's K rows followed by ``k_pad`` zero rows: whole products of full width, where one
@@ -321,8 +288,9 @@ def _whole_products(st: _Static, x2, w, g):
   m, k = x2.shape
   n_loc, pad = st.local_chunks, st.k_pad
   kw = dict(implementation=st.implementation)
-  if pad and st.implementation == "mosaic" and _mosaic_takes_whole(m, k, w.shape[1]):
-    pad = 0  # the same elements without the padded copies (see _mosaic_takes_whole)
+  takes_whole = backend(st.implementation).takes_whole
+  if pad and takes_whole is not None and takes_whole(m, k, w.shape[1]):
+    pad = 0  # the same elements without the padded copies (see gemm/mosaic.takes_whole)
   if not pad:
     return (matmul2d(g, w, lhs_transposed=False, rhs_transposed=True, out_dtype=x2.dtype, **kw),
             matmul2d(x2, g, lhs_transposed=True, rhs_transposed=False, out_dtype=w.dtype, **kw))
@@ -338,10 +306,10 @@ def _whole_products(st: _Static, x2, w, g):
 def _bwd(st: _Static, res, g):
   x2, w, bias = res
   g = _full_cotangent(st, g.astype(x2.dtype))
-  if st.implementation not in _SHAPE_FREE:
+  if not backend(st.implementation).shape_free:
     st = _training_static(st)
   n_loc = st.local_chunks
-  if st.implementation in _SHAPE_FREE:
+  if backend(st.implementation).shape_free:
     dx, dw = _whole_products(st, x2, w, g)
   else:
     kc = w.shape[0] // n_loc
@@ -570,10 +538,11 @@ def chunk_weight(w: jax.Array, *, chunks: int = contract.ROW_PARALLEL_CHUNKS,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _prepared_partials(st: _Static, x2, stacked):
-  if st.implementation == "mosaic" and st.local_chunks > 1 and not st.k_pad:
+  grouped = backend(st.implementation).grouped_matmul
+  if grouped is not None and st.local_chunks > 1 and not st.k_pad:
     # The K chunks side by side, as x2 holds them: the grouped kernel reads each chunk's
     # columns in place where TMA can (no chunk-major copy of x2 per step; the same bits).
-    return _grouped_mosaic(x2, stacked, out_dtype=jnp.dtype(jnp.float32))
+    return grouped(x2, stacked, out_dtype=jnp.dtype(jnp.float32))
   return _stacked_products(st, _split_k(x2, st.local_chunks, st.k_pad), stacked,
                            lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.float32,
                            lhs_stacked=True, rhs_stacked=True)

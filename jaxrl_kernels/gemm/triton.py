@@ -12,5 +12,9 @@ import functools
 from jaxrl_kernels.gemm.base import GemmBackend
 from jaxrl_kernels.pallas import gemm_triton
 
-TRITON = GemmBackend("triton", functools.partial(gemm_triton.matmul, interpret=False))
-INTERPRET = GemmBackend("interpret", functools.partial(gemm_triton.matmul, interpret=True))
+# A Pallas grid gains a chunk axis under vmap (the same program per chunk); one config per
+# dtype gives every element the same walk at every shape.
+TRITON = GemmBackend("triton", functools.partial(gemm_triton.matmul, interpret=False),
+                     vmaps_chunks=True, shape_free=True)
+INTERPRET = GemmBackend("interpret", functools.partial(gemm_triton.matmul, interpret=True),
+                        vmaps_chunks=True, shape_free=True)

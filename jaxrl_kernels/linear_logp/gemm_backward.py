@@ -11,19 +11,17 @@ Every product is a ``det_matmul`` kernel, whose rows never depend on M, and
 the chunks are added in ascending order, so dH rows stay batch-invariant; dW
 is run-to-run deterministic. ``db`` uses the Triton column-sum kernel.
 
-With ``gemm="mosaic"`` (Hopper) two epilogues of the Mosaic GEMM remove
-passes over memory, each bitwise the unfused form: ``fuse_dz`` computes
+With a GEMM backend that has ``epilogues`` (``"mosaic"``, Hopper) two epilogues
+of the Mosaic GEMM remove passes over memory, each bitwise the unfused form: ``fuse_dz`` computes
 ``dz_c`` in the logits GEMM's epilogue (z never leaves registers), and
 ``accumulate`` adds the dH product into dH in the dH GEMM's epilogue, in place
 (no product buffer, no add pass; ``dh_rows`` is then unused). Otherwise the dH
 product is added in ``[dh_rows, H]`` blocks. Memory per chunk: float32 ``z_c``
 and ``dz_c`` in the compute dtype (``[T, chunk]`` each), the float32 ``[T, H]``
 dH accumulator; no ``[T, V]`` array. The weight chunk is sliced (copied) per
-step: ``chunk * H`` elements. Measured on an H100 at T=8192, H=4096,
-V=151936 (bf16), forward+backward against materialized XLA: chunk=4096 with
-dH in one product 0.76x (288 MiB of temporaries, 2.0% of XLA's); with
-2048-row dH blocks 0.83x; chunk=2048 0.99x. Hence the defaults: the dH
-product is blocked only past 8192 tokens.
+step: ``chunk * H`` elements. The defaults (chunk 4096, the dH product blocked
+only past 8192 tokens) are the fastest of the measured settings
+(benchmarks/results/linear_logp_h100.md); none changes a bit.
 """
 
 from __future__ import annotations
@@ -34,17 +32,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_kernels.gemm import matmul2d
-from jaxrl_kernels.gemm import mosaic as gemm_mosaic_op
+from jaxrl_kernels.gemm.api import backend as gemm_backend
 from jaxrl_kernels.pallas import gemm_mosaic
 from jaxrl_kernels.pallas import linear_logp_bwd as bwd
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 
 def _product_implementation(gemm: str, n: int, k: int, dtype) -> str:
-  """The GEMM kernel of one ``[M, K] x [K, N]`` product: Mosaic where it takes the
-  weight's N and K (never decided by M), else Triton."""
-  if gemm == "mosaic" and gemm_mosaic_op.supported(n, k, dtype) is not None:
-    return "triton"
+  """The GEMM kernel of one ``[M, K] x [K, N]`` product: ``gemm`` where it takes the
+  weight's N and K (never decided by M), else its fallback (Mosaic: Triton)."""
+  be = gemm_backend(gemm)
+  if be.fallback is not None and be.supported(n, k, dtype) is not None:
+    return be.fallback
   return gemm
 
 
@@ -61,7 +60,8 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
   outputs) with the products on ``det_matmul``'s ``gemm`` kernels (``"mosaic"``,
   ``"triton"`` or ``"interpret"``).
 
-  ``accumulate`` and ``fuse_dz`` take effect with ``gemm="mosaic"`` where every
+  ``accumulate`` and ``fuse_dz`` take effect with ``gemm="mosaic"`` (a backend with
+  ``epilogues``) where every
   chunk width's product runs on the Mosaic kernel (static shapes only); they
   never change the bits.
 
@@ -92,9 +92,10 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
   # Chunk widths: ``chunk`` and the tail; the fused epilogues need every
   # product of every width on the Mosaic kernel.
   widths = {min(chunk, v), v % min(chunk, v) or min(chunk, v)}
-  accumulate = (gemm == "mosaic" and accumulate
+  epilogues = gemm_backend(gemm).epilogues
+  accumulate = (epilogues and accumulate
                 and all(_mosaic_runs(t, h, w_, hv) for w_ in widths))
-  fuse_dz = (gemm == "mosaic" and fuse_dz
+  fuse_dz = (epilogues and fuse_dz
              and all(_mosaic_runs(t, w_, h, not hv) for w_ in widths))
 
   def dz_epilogue(z, rows, cols, col_ids):

@@ -21,6 +21,7 @@ from jaxrl_kernels import contract, det_matmul, row_parallel_matmul
 from jaxrl_kernels._compat import shard_map
 from jaxrl_kernels.gemm import row_parallel as row_parallel_module
 from jaxrl_kernels.gemm.api import matmul2d
+from jaxrl_kernels.gemm.mosaic import BACKEND as gemm_mosaic_backend
 from jaxrl_kernels.gemm.reference import matmul_reference
 
 M, K, N = 12, 256, 44  # N = 44: TP 2 and 4 exchange column blocks, TP 8 gathers partials
@@ -140,7 +141,7 @@ def test_mosaic_whole_backward_drops_the_padding_where_the_whole_weight_fits():
   TP = 2), the padded layout where it does not (the chunks' 112 and 608 at TP = 8): the
   same elements either way (tests/gemm/test_row_parallel.py::test_gpu_kernels_follow_the_
   contract checks the bits on a GPU)."""
-  takes = row_parallel_module._mosaic_takes_whole
+  takes = gemm_mosaic_backend.takes_whole
   for k in (4864, 896, 2432, 448):
     assert takes(8192, k, 896) and takes(1000, k, 896), k
   for k in (608, 112, 900):
