@@ -28,8 +28,8 @@ that cannot run here. Options of a command: jaxrl-kernels COMMAND -h
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="jaxrl-kernels", description=DESCRIPTION,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = parity.Parser(prog="jaxrl-kernels", description=DESCRIPTION,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("-V", "--version", action="version",
                  version=f"jaxrl-kernels {jaxrl_kernels.__version__} (jax {jax.__version__})")
   sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
