@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from jaxrl_kernels.__main__ import main
+from jaxrl_kernels.cli import main
 
 COUNTS: collections.Counter = collections.Counter()
 

@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_kernels import models
-from jaxrl_kernels.__main__ import main
-from jaxrl_kernels.demos import grpo_demo
+from jaxrl_kernels.cli import grpo_demo, main
 
 # A one-layer Qwen2 (q/k/v biases, tied head) small enough for the CPU, with a few ids past
 # the task's 16 (the model may sample them; the reward ignores them).

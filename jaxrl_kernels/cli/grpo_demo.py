@@ -80,7 +80,7 @@ DESCRIPTION = ("A short GRPO run on a toy task (a + b =): jaxrl_kernels' trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-  from jaxrl_kernels import parity as cli
+  from jaxrl_kernels.cli import parity as cli
 
   p.add_argument("--steps", type=cli.positive_int, default=80, help="optimizer steps")
   p.add_argument("--prompts-per-step", type=cli.positive_int, default=8,
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace) -> list[dict]:
   try:  # a checkpoint or a dtype the library refuses is a bad input (exit 2), not a failure
     model = build_policy(spec, seed=args.seed, implementation=args.implementation)
   except (OSError, ValueError, TypeError) as e:
-    from jaxrl_kernels import parity as cli
+    from jaxrl_kernels.cli import parity as cli
     cli.usage_error(f"grpo-demo: --model {args.model}"
                     + (f" --model-dtype {args.model_dtype}" if args.model_dtype else "")
                     + f": {e}")
@@ -497,7 +497,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
   """The command: exit status 0 when the on-policy ratio was exactly 1 at every step, 1
   when it was not, 2 (one line on stderr naming the flag, nothing run) for arguments or
   input files that cannot run."""
-  from jaxrl_kernels import parity as cli
+  from jaxrl_kernels.cli import parity as cli
 
   if isinstance(argv, argparse.Namespace):
     args = argv

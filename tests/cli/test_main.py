@@ -6,15 +6,13 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
 
 import jaxrl_kernels
 import jaxrl_kernels.nn.sampler
-from jaxrl_kernels import parity
-from jaxrl_kernels.__main__ import main
+from jaxrl_kernels.cli import main, parity
 
 SMALL = ["--model", "test", "--batch", "3", "--prompt-len", "4", "--new-tokens", "5",
          "--dtype", "float32"]
@@ -155,19 +153,15 @@ def test_no_fma_flag_only_for_interpreted_kernels(argv, flag, monkeypatch):
 
 
 def test_grpo_demo_gets_its_arguments(monkeypatch):
+  from jaxrl_kernels.cli import grpo_demo
   seen = []
-  demo = types.ModuleType("jaxrl_kernels.demos.grpo_demo")
-  demo.main = lambda argv: seen.append(argv) or 0
-  pkg = types.ModuleType("jaxrl_kernels.demos")
-  pkg.grpo_demo = demo
-  monkeypatch.setitem(sys.modules, "jaxrl_kernels.demos", pkg)
-  monkeypatch.setitem(sys.modules, "jaxrl_kernels.demos.grpo_demo", demo)
+  monkeypatch.setattr(grpo_demo, "main", lambda argv: seen.append(argv) or 0)
   assert main(["grpo-demo", "--steps", "2"]) == 0
   assert seen == [["--steps", "2"]]
 
 
 def test_progress_falls_back_to_prints_without_rich(capsys, monkeypatch):
-  from jaxrl_kernels.parity import Progress
+  from jaxrl_kernels.cli.parity import Progress
   monkeypatch.setitem(sys.modules, "rich.progress", None)  # `import rich.progress` fails
   with Progress(2) as bar:
     bar.stage("sample")
@@ -180,7 +174,7 @@ def test_package_ships_py_typed():
   import importlib.resources
   import tomllib
   assert importlib.resources.files("jaxrl_kernels").joinpath("py.typed").is_file()
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   with open(os.path.join(root, "pyproject.toml"), "rb") as f:
     project = tomllib.load(f)
   assert "py.typed" in project["tool"]["setuptools"]["package-data"]["jaxrl_kernels"]
@@ -273,8 +267,8 @@ def test_sharded_and_model_fn_arguments_are_refused_before_any_work(argv, messag
 def test_rollout_tp_must_divide_the_models_chunks():
   """A TP degree dividing the kv heads but not the model's canonical row-parallel chunks
   (at most 8) is named; one dividing both passes."""
+  from jaxrl_kernels.cli.parity_tp import TINY, check_layout
   from jaxrl_kernels.models import config as preset_config
-  from jaxrl_kernels.parity_tp import TINY, check_layout
 
   wide = dataclasses.replace(TINY, num_attention_heads=16, num_key_value_heads=16)
   assert check_layout(wide, rollout_tp=16, train_fsdp=1, num_devices=16) == (
@@ -325,7 +319,7 @@ def test_model_fn_runs_a_users_model_function(tmp_path, monkeypatch, capsys):
 
 
 def test_model_fn_exit_status_follows_the_report(monkeypatch, tmp_path):
-  from jaxrl_kernels.transform import model_fn
+  from jaxrl_kernels.cli import model_fn
   (tmp_path / "user_bigram.py").write_text(MODEL_FN)
   monkeypatch.syspath_prepend(str(tmp_path))
   seen = []

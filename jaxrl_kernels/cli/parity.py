@@ -19,9 +19,9 @@ Two sections:
 With ``--rollout-tp N`` / ``--train-fsdp M``, or ``--model`` naming a Llama / Qwen
 ``DecoderLM`` (a ``models`` preset or ``hf:PATH``), only the sharded-model section runs
 instead: sampled with the model tensor-parallel over N devices, scored fully sharded over
-M devices and unsharded (:mod:`jaxrl_kernels.parity_tp`). With ``--model-fn
+M devices and unsharded (:mod:`jaxrl_kernels.cli.parity_tp`). With ``--model-fn
 module:function``, only a user's model function is checked, under ``batch_invariant``
-(:mod:`jaxrl_kernels.transform.model_fn`).
+(:mod:`jaxrl_kernels.cli.model_fn`).
 
 Exit status 0 iff jaxrl_kernels is bitwise in every section that ran, 1 when it is not,
 2 for arguments that cannot run here (said in one line before any work).
@@ -528,9 +528,9 @@ def run_kernels(args) -> int:
 def run_model_fn(args) -> int:
   """``parity --model-fn module:function``: the user's model under ``batch_invariant``."""
   try:
-    from jaxrl_kernels.transform import model_fn
+    from jaxrl_kernels.cli import model_fn
   except ImportError as e:
-    usage_error(f"--model-fn needs jaxrl_kernels.transform.model_fn, which this "
+    usage_error(f"--model-fn needs jaxrl_kernels.cli.model_fn, which this "
                 f"installation cannot import: {e}")
   select_device(args.device)
   try:  # the user's module, its function and what it returns, checked before any work
@@ -550,8 +550,8 @@ def run_model_fn(args) -> int:
 
 def run_sharded(args) -> int:
   """``parity --rollout-tp N --train-fsdp M`` (or ``--model PRESET|hf:PATH``): the
-  DecoderLM sampled TP = N, scored FSDP = M and unsharded (:mod:`jaxrl_kernels.parity_tp`)."""
-  from jaxrl_kernels import parity_tp
+  DecoderLM sampled TP = N, scored FSDP = M and unsharded (:mod:`jaxrl_kernels.cli.parity_tp`)."""
+  from jaxrl_kernels.cli import parity_tp
 
   n, m = args.rollout_tp or 1, args.train_fsdp or 1
   for flag, bad in (("--tp", args.tp > 1), ("--params", args.params is not None),
