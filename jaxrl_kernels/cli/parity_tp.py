@@ -4,14 +4,15 @@ another, the same bits?
 The common RL layout: the rollout engine runs the policy tensor-parallel (TP = N, for
 decode speed), the trainer runs it fully sharded (FSDP = M, for memory). :func:`tp_report`
 samples completions with the KV-cache sampler (``nn.sample``) on the model sharded TP = N
-(``models.shard``), then recomputes every sampled token's log-prob the way the trainer
-does (``nn.score``): on the model sharded FSDP = M (sequences packed, ``M`` rows per
-call), and on the unsharded model (in chunks of another batch size). It prints, per
+(``models.shard``) and on the unsharded model, then recomputes every sampled token's
+log-prob the way the trainer does (``nn.score``): on the model sharded FSDP = M (sequences
+packed, ``M`` rows per call), and on the unsharded model (in chunks of another batch
+size). It prints, per
 (sampler, trainer) pairing, the max |Δlogp| and the fraction of sampled tokens whose
 log-prob is bitwise the sampler's, for:
 
 * **jaxrl_kernels**: the batch-invariant kernels, row-parallel layers in the canonical
-  order (``merge="canonical"``);
+  order (``merge="canonical"``), sampled at TP = N and unsharded;
 * **psum merge** (the control for TP): the same model sampled at TP = N with
   Megatron row-parallel layers and head (``merge="psum"``), whose bits depend on N;
 * **stock XLA** (the control for batch invariance): ``implementation="xla"`` (``jnp.dot``,
@@ -51,8 +52,12 @@ def model_config(spec: str) -> DecoderConfig:
     import os
 
     from jaxrl_kernels.models.config import from_hf_dict
-    with open(os.path.join(spec[3:], "config.json")) as f:
-      return from_hf_dict(json.load(f))
+    path = os.path.join(spec[3:], "config.json")
+    try:
+      with open(path) as f:
+        return from_hf_dict(json.load(f))
+    except (KeyError, AttributeError, TypeError) as e:  # a config.json of another shape
+      raise ValueError(f"parity_tp: cannot read {path}: {type(e).__name__}: {e}") from None
   if spec == "tiny":
     return TINY
   if spec in PRESETS:
@@ -71,7 +76,9 @@ def build_model(spec: str, *, dtype: str = "float32", implementation: str | None
 
   if spec.startswith("hf:"):
     return models.from_pretrained(spec[3:], dtype=dtype, implementation=implementation)
-  if spec == "tiny":
+  if spec == "tiny":  # built here: aliases resolved, "auto" is float32
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "float32"}.get(
+        dtype, dtype)
     return DecoderLM(TINY, dtype=dtype, implementation=implementation, rngs=nnx.Rngs(seed))
   if spec in PRESETS:
     return models.preset(spec, seed, dtype, implementation=implementation)
@@ -158,8 +165,9 @@ def tp_report(model: DecoderLM, *, rollout_tp: int, train_fsdp: int,
 
   Args:
     model: the policy on the batch-invariant kernels (``implementation`` not ``"xla"``).
-    rollout_tp: ``N >= 1``: the sampler's model is ``models.shard(model, tp=N)`` on the
-      first ``N`` devices (and, with ``N > 1``, the ``merge="psum"`` control).
+    rollout_tp: ``N >= 1``: the samplers' models are ``models.shard(model, tp=N)`` on the
+      first ``N`` devices and ``model`` unsharded (and, with ``N > 1``, the
+      ``merge="psum"`` control).
     train_fsdp: ``M >= 1``: the trainer's model is ``models.shard(model, fsdp=M)`` on the
       first ``M`` devices, scoring packed sequences ``M`` rows per call; the unsharded
       model scores them too, in chunks of ``max(1, batch // 3)`` rows.
@@ -212,6 +220,10 @@ def tp_report(model: DecoderLM, *, rollout_tp: int, train_fsdp: int,
   ours_fsdp = shard(model, Parallelism(fsdp_mesh, fsdp="fsdp"))
   logp, tokens, mask = rollout(shard(model, Parallelism(tp_mesh, tp="tp")))
   rows += trainers("jaxrl_kernels", f"TP={n}", ours_fsdp, model, logp, tokens, mask)
+  # The unsharded sampler (nn.sample on the plain DecoderLM) must give the same bits too.
+  stage("jaxrl_kernels: sample unsharded")
+  logp, tokens, mask = rollout(model)
+  rows += trainers("jaxrl_kernels", "unsharded", ours_fsdp, model, logp, tokens, mask)
   if n > 1:
     stage(f"psum merge: sample at TP={n}")
     logp, tokens, mask = rollout(shard(model, Parallelism(tp_mesh, tp="tp"), merge="psum"))

@@ -3,6 +3,7 @@ DecoderLM from a Hugging Face folder, its reward, and its argument errors."""
 
 import csv
 import json
+import re
 import sys
 
 import jax
@@ -11,8 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_kernels import models
-from jaxrl_kernels.__main__ import main
-from jaxrl_kernels.demos import grpo_demo
+from jaxrl_kernels.cli import grpo_demo, main
 
 # A one-layer Qwen2 (q/k/v biases, tied head) small enough for the CPU, with a few ids past
 # the task's 16 (the model may sample them; the reward ignores them).
@@ -146,6 +146,17 @@ def _config_only_folder(path, vocab_size):
   return path
 
 
+def _refused(argv, capsys):
+  """``grpo_demo.main(argv)`` stops with exit status 2 and one line on stderr, no traceback,
+  before any model is built; returns that line."""
+  with pytest.raises(SystemExit) as e:
+    grpo_demo.main(argv)
+  out, err = capsys.readouterr()
+  assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, (out, err)
+  assert "model " not in out  # nothing was built
+  return err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--model", "gpt2"], r"--model must be one of test, tiny, small, .*qwen2\.5-0\.5b.*hf:PATH, "
                           r"got 'gpt2'"),
@@ -153,29 +164,71 @@ def _config_only_folder(path, vocab_size):
                                         r"folder with config.json"),
     (["--model", "tiny", "--layers", "2"], r"--layers applies to the models presets .* got "
                                            r"--model 'tiny'"),
-    (["--model", "qwen2.5-0.5b", "--layers", "0"], r"--layers must be an int >= 1, got 0"),
+    (["--model", "qwen2.5-0.5b", "--layers", "0"], r"argument --layers: must be an int >= 1, "
+                                                   r"got '0'"),
+    (["--steps", "0"], r"argument --steps: must be an int >= 1, got '0'"),
+    (["--steps", "-3"], r"argument --steps: must be an int >= 1, got '-3'"),
+    (["--group-size", "0"], r"argument --group-size: must be an int >= 1"),
+    (["--docs-per-step", "-1"], r"argument --docs-per-step: must be an int >= 0"),
+    (["--lr", "nan"], r"argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--temperature", "0"], r"argument --temperature: temperature must be > 0"),
+    (["--temperature", "-1"], r"argument --temperature: temperature must be > 0"),
+    (["--temperature", "nan"], r"argument --temperature: temperature must be finite"),
+    (["--seed", "-1"], r"argument --seed: must be an int in \[0, 4294967295\], got '-1'"),
+    (["--new-tokens", "2"], r"argument --new-tokens: must be an int >= 3"),
+    (["--model-dtype", "float64"], r"argument --model-dtype: invalid choice: 'float64'"),
+    (["--model-dtype", "float16"], r"--model-dtype float16 with --model tiny: TinyLMConfig: "
+                                   r"dtype must be"),
+    (["--prompts-per-step", "3", "--micro-batch-groups", "2"],
+     r"--prompts-per-step 3 x --group-size 4 = 12 completions per step do not split into "
+     r"micro-batches of --micro-batch-groups 2"),
 ])
-def test_bad_model_arguments_are_named(tmp_path, argv, match):
-  with pytest.raises(ValueError, match=match):
-    grpo_demo.main([*argv, "--out", str(tmp_path), "--no-plot"])
+def test_bad_arguments_exit_2_naming_the_flag(tmp_path, argv, match, capsys):
+  err = _refused([*argv, "--out", str(tmp_path), "--no-plot"], capsys)
+  assert re.search(match, err), err
 
 
-def test_layers_with_a_folder_and_a_small_vocabulary_are_refused(hf_folder, tmp_path):
-  with pytest.raises(ValueError, match=r"--layers applies to the models presets .* got --model "
-                                       r"'hf:"):
-    grpo_demo.main(["--model", f"hf:{hf_folder}", "--layers", "1", "--out", str(tmp_path)])
+def test_out_that_is_a_file_exits_2(tmp_path, capsys):
+  (tmp_path / "file").write_text("")
+  err = _refused(["--out", str(tmp_path / "file"), "--no-plot"], capsys)
+  assert f"--out {tmp_path / 'file'}: " in err
+
+
+def test_layers_with_a_folder_and_a_small_vocabulary_are_refused(hf_folder, tmp_path, capsys):
+  err = _refused(["--model", f"hf:{hf_folder}", "--layers", "1", "--out", str(tmp_path)],
+                 capsys)
+  assert re.search(r"--layers applies to the models presets .* got --model 'hf:", err)
   # Checked from config.json before any weight is read (the folder has none).
   small = _config_only_folder(tmp_path / "v15", 15)
-  with pytest.raises(ValueError, match=r"--model hf:.*v15 has a vocabulary of 15 ids, but the "
-                                       r"task's tokens are ids 0\.\.15 \(at least 16\)"):
-    grpo_demo.main(["--model", f"hf:{small}", "--out", str(tmp_path)])
+  err = _refused(["--model", f"hf:{small}", "--out", str(tmp_path)], capsys)
+  assert re.search(r"--model hf:.*v15 has a vocabulary of 15 ids, but the task's tokens are "
+                   r"ids 0\.\.15 \(at least 16\)", err)
   assert grpo_demo.policy_spec(f"hf:{_config_only_folder(tmp_path / 'v16', 16)}").config \
       .vocab_size == 16  # the task's 16 ids are enough
-  with pytest.raises(ValueError, match=r"--model-dtype must be one of \('float32', 'bfloat16'\), "
-                                       r"got 'float16'"):
-    grpo_demo.policy_spec("tiny", dtype="float16")
-  with pytest.raises(SystemExit):  # argparse refuses it before the run
-    grpo_demo.main(["--model-dtype", "float16", "--out", str(tmp_path)])
+  with pytest.raises(ValueError, match=r"--model-dtype must be one of float32, bfloat16, "
+                                       r"float16, fp32, bf16, fp16, auto, got 'float64'"):
+    grpo_demo.policy_spec("tiny", dtype="float64")
+  assert grpo_demo.policy_spec("tiny", dtype="bf16").config.dtype == "bfloat16"
+  assert grpo_demo.policy_spec("qwen2.5-0.5b", dtype="fp16").dtype == "fp16"  # as given
+
+
+def test_a_corrupt_folder_exits_2(hf_folder, tmp_path, capsys):
+  import shutil
+  bad = tmp_path / "badjson"
+  bad.mkdir()
+  (bad / "config.json").write_text("[1, 2]")
+  err = _refused(["--model", f"hf:{bad}", "--out", str(tmp_path)], capsys)
+  assert f"--model hf:{bad}: cannot read {bad / 'config.json'}" in err
+  # Weights cut short: refused by the library while loading, exit 2 (the run announced the
+  # model on stdout first).
+  cut = tmp_path / "cut"
+  shutil.copytree(hf_folder, cut)
+  weights = sorted(cut.glob("*.safetensors"))[0]
+  weights.write_bytes(weights.read_bytes()[:100])
+  with pytest.raises(SystemExit) as e:
+    grpo_demo.main(["--model", f"hf:{cut}", "--out", str(tmp_path), "--no-plot"])
+  out, err = capsys.readouterr()
+  assert e.value.code == 2 and err.count("\n") == 1 and f"--model hf:{cut}: " in err
 
 
 def _fake_history(steps):
@@ -213,11 +266,6 @@ def test_step_line_fits_100_columns():
   assert line.split() == ["999", "0.123", "1.00", "1.2e-07", "4.6e-07", "NO", "1.0e+00",
                           "1234.5s"]
   assert grpo_demo.step_line(_fake_history(1)[0]).split()[3:6] == ["0", "0", "yes"]
-
-
-def test_too_few_new_tokens_is_an_error(tmp_path):
-  with pytest.raises(ValueError, match="--new-tokens must be >= 3"):
-    _run_demo(tmp_path, "--new-tokens", "2")
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ PROMPT_LEN = 4
 NEW_TOKENS = 3  # at most two digits and <eos>: the shortest completion that can be exact
 TINY_PRESETS = ("test", "tiny", "small")
 MODEL_CHOICES = (*TINY_PRESETS, *sorted(models.PRESETS), "hf:PATH")
-MODEL_DTYPES = ("float32", "bfloat16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
 FIELDS = ("step", "reward", "exact", "max_dlogp_jaxrl", "kl_jaxrl", "ratio_exact_jaxrl",
           "max_dlogp_xla", "kl_xla", "ratio_exact_xla", "max_dlogp_jaxrl_grad",
           "ratio_exact_jaxrl_grad", "loss", "seconds")
@@ -80,17 +80,22 @@ DESCRIPTION = ("A short GRPO run on a toy task (a + b =): jaxrl_kernels' trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-  p.add_argument("--steps", type=int, default=80, help="optimizer steps")
-  p.add_argument("--prompts-per-step", type=int, default=8, help="prompts (groups) per step")
-  p.add_argument("--group-size", type=int, default=4, help="completions per prompt")
-  p.add_argument("--docs-per-step", type=int, default=0,
+  from jaxrl_kernels.cli import parity as cli
+
+  p.add_argument("--steps", type=cli.positive_int, default=80, help="optimizer steps")
+  p.add_argument("--prompts-per-step", type=cli.positive_int, default=8,
+                 help="prompts (groups) per step")
+  p.add_argument("--group-size", type=cli.positive_int, default=4,
+                 help="completions per prompt")
+  p.add_argument("--docs-per-step", type=cli.non_negative_int, default=0,
                  help="completions per optimizer step (0: all of the step's)")
-  p.add_argument("--micro-batch-groups", type=int, default=2,
+  p.add_argument("--micro-batch-groups", type=cli.positive_int, default=2,
                  help="groups per micro-batch (the trainer's batch size, in groups)")
-  p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-  p.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+  p.add_argument("--lr", type=cli.positive_float, default=3e-3, help="Adam learning rate")
+  p.add_argument("--new-tokens", type=_new_tokens, default=NEW_TOKENS,
                  help=f"completion tokens sampled per prompt (>= {NEW_TOKENS})")
-  p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+  p.add_argument("--temperature", type=cli.temperature, default=1.0,
+                 help="sampling temperature")
   p.add_argument("--model", default="tiny", metavar="MODEL",
                  help="the policy: a TinyCausalLM preset (test, tiny, small; the task's "
                       "16-token vocabulary), a jaxrl_kernels.models preset (DecoderLM, random "
@@ -99,15 +104,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--model-dtype", default=None, choices=MODEL_DTYPES,
                  help="parameter, activation and KV-cache dtype (None: float32 for the "
                       "TinyCausalLM presets, bfloat16 for the models presets, the "
-                      "checkpoint's for hf:PATH)")
-  p.add_argument("--layers", type=int, default=None,
+                      "checkpoint's for hf:PATH; auto: the checkpoint's torch_dtype)")
+  p.add_argument("--layers", type=cli.positive_int, default=None,
                  help="num_hidden_layers of a models preset (a shallower copy for quick runs)")
   p.add_argument("--implementation", default=None, choices=_backend.IMPLEMENTATIONS,
                  help="jaxrl_kernels' implementation (None: the device's default)")
-  p.add_argument("--seed", type=int, default=0, help="seed of the model, the data, sampling")
+  p.add_argument("--seed", type=cli.seed, default=0,
+                 help="seed of the model, the data, sampling")
   p.add_argument("--out", default="grpo_demo_out", help="folder for the CSV and the PNG")
   p.add_argument("--no-plot", action="store_true", help="write the CSV only")
   return p
+
+
+def _new_tokens(text: str) -> int:
+  """argparse type of ``--new-tokens``: an int >= :data:`NEW_TOKENS`."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or value < NEW_TOKENS:
+    raise argparse.ArgumentTypeError(f"must be an int >= {NEW_TOKENS} (two digits and <eos>), "
+                                     f"got {text!r}")
+  return value
 
 
 def make_prompts(rng: np.random.Generator, n: int, new_tokens: int = NEW_TOKENS):
@@ -168,7 +186,8 @@ def policy_spec(model: str, *, dtype: str | None = None, layers: int | None = No
       below 1, an unknown ``--model-dtype``, a vocabulary smaller than the task's 16 ids.
   """
   if dtype is not None and dtype not in MODEL_DTYPES:
-    raise ValueError(f"grpo-demo: --model-dtype must be one of {MODEL_DTYPES}, got {dtype!r}")
+    raise ValueError(f"grpo-demo: --model-dtype must be one of {', '.join(MODEL_DTYPES)}, got "
+                     f"{dtype!r}")
   if layers is not None:
     if model not in models.PRESETS:
       raise ValueError(f"grpo-demo: --layers applies to the models presets "
@@ -176,7 +195,12 @@ def policy_spec(model: str, *, dtype: str | None = None, layers: int | None = No
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
       raise ValueError(f"grpo-demo: --layers must be an int >= 1, got {layers!r}")
   if model in TINY_PRESETS:
-    cfg = TinyLMConfig.preset(model, vocab_size=VOCAB, dtype=dtype or "float32")
+    tiny_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "auto": "float32"}.get(dtype, dtype or "float32")
+    try:
+      cfg = TinyLMConfig.preset(model, vocab_size=VOCAB, dtype=tiny_dtype)
+    except ValueError as e:
+      raise ValueError(f"grpo-demo: --model-dtype {dtype} with --model {model}: {e}") from None
     spec = PolicySpec("tiny", model, cfg, cfg.dtype)
   elif model in models.PRESETS:
     overrides = {} if layers is None else {"num_hidden_layers": layers}
@@ -186,8 +210,12 @@ def policy_spec(model: str, *, dtype: str | None = None, layers: int | None = No
     if not os.path.isfile(cfg_path):
       raise ValueError(f"grpo-demo: --model {model}: expected a Hugging Face folder with "
                        f"config.json, but {cfg_path} does not exist")
-    with open(cfg_path) as f:
-      spec = PolicySpec("hf", model, models.from_hf_dict(json.load(f)), dtype)
+    try:
+      with open(cfg_path) as f:
+        cfg = models.from_hf_dict(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+      raise ValueError(f"grpo-demo: --model {model}: cannot read {cfg_path}: {e}") from None
+    spec = PolicySpec("hf", model, cfg, dtype)
   else:
     raise ValueError(f"grpo-demo: --model must be one of {', '.join(MODEL_CHOICES)}, got "
                      f"{model!r}")
@@ -295,23 +323,49 @@ def _compiling(step: int, what: str) -> None:
     print(f"  {what} ...", flush=True)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-  """The GRPO run of :func:`main` (arguments of :func:`add_arguments`): one dict per step
-  with the :data:`FIELDS`."""
-  if args.new_tokens < NEW_TOKENS:
-    raise ValueError(f"grpo-demo: --new-tokens must be >= {NEW_TOKENS} (two digits and <eos>), "
-                     f"got {args.new_tokens}")
+def check_arguments(args: argparse.Namespace) -> PolicySpec:
+  """Checks what the parser cannot (how the flags combine, an ``hf:`` folder's
+  ``config.json``) and returns the policy's :class:`PolicySpec`.
+
+  Raises:
+    ValueError: naming the flag (:func:`policy_spec`'s, sizes below their minimum,
+      micro-batches that do not split a step's completions).
+  """
+  for name, minimum in (("steps", 1), ("prompts_per_step", 1), ("group_size", 1),
+                        ("micro_batch_groups", 1), ("docs_per_step", 0),
+                        ("new_tokens", NEW_TOKENS)):
+    v = getattr(args, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+      raise ValueError(f"grpo-demo: --{name.replace('_', '-')} must be an int >= {minimum}, "
+                       f"got {v!r}")
   spec = policy_spec(args.model, dtype=args.model_dtype, layers=args.layers)
   g = args.group_size
   mb_rows = args.micro_batch_groups * g
   rows = args.prompts_per_step * g
   if rows % mb_rows:
-    raise ValueError(f"grpo-demo: {rows} completions per step do not split into micro-batches "
-                     f"of {args.micro_batch_groups} groups of {g}")
+    raise ValueError(f"grpo-demo: --prompts-per-step {args.prompts_per_step} x --group-size {g} "
+                     f"= {rows} completions per step do not split into micro-batches of "
+                     f"--micro-batch-groups {args.micro_batch_groups} groups of {g}")
+  return spec
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+  """The GRPO run of :func:`main` (arguments of :func:`add_arguments`): one dict per step
+  with the :data:`FIELDS`."""
+  spec = check_arguments(args)
+  g = args.group_size
+  mb_rows = args.micro_batch_groups * g
+  rows = args.prompts_per_step * g
   print(f"grpo-demo: {args.steps} steps of {rows} completions ({args.prompts_per_step} prompts x "
         f"{g}), micro-batches of {mb_rows} rows")
   print(f"model {describe(spec)} ...", flush=True)
-  model = build_policy(spec, seed=args.seed, implementation=args.implementation)
+  try:  # a checkpoint or a dtype the library refuses is a bad input (exit 2), not a failure
+    model = build_policy(spec, seed=args.seed, implementation=args.implementation)
+  except (OSError, ValueError, TypeError) as e:
+    from jaxrl_kernels.cli import parity as cli
+    cli.usage_error(f"grpo-demo: --model {args.model}"
+                    + (f" --model-dtype {args.model_dtype}" if args.model_dtype else "")
+                    + f": {e}")
   stock = stock_twin(model)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -440,17 +494,29 @@ def plot(history: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+  """The command: exit status 0 when the on-policy ratio was exactly 1 at every step, 1
+  when it was not, 2 (one line on stderr naming the flag, nothing run) for arguments or
+  input files that cannot run."""
+  from jaxrl_kernels.cli import parity as cli
+
   if isinstance(argv, argparse.Namespace):
     args = argv
   else:
-    parser = argparse.ArgumentParser(prog="jaxrl-kernels grpo-demo", description=DESCRIPTION,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.Parser(prog="jaxrl-kernels grpo-demo", description=DESCRIPTION,
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     args = add_arguments(parser).parse_args(argv)
+  try:
+    check_arguments(args)
+  except ValueError as e:
+    cli.usage_error(str(e))
+  try:
+    os.makedirs(args.out, exist_ok=True)
+  except OSError as e:
+    cli.usage_error(f"grpo-demo: --out {args.out}: {e}")
   if not args.no_plot and not has_matplotlib():
     print("grpo-demo: matplotlib is not installed: writing the CSV only (for the plot: "
           "pip install 'jaxrl_kernels[demo]')", flush=True)
     args = argparse.Namespace(**{**vars(args), "no_plot": True})
-  os.makedirs(args.out, exist_ok=True)
   history = run(args)
   write_csv(history, os.path.join(args.out, "grpo_demo.csv"))
   if not args.no_plot:

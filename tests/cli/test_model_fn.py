@@ -1,12 +1,13 @@
-"""``jaxrl_kernels.transform.model_fn``: loading a user's ``module:function`` model and the
+"""``jaxrl_kernels.cli.model_fn``: loading a user's ``module:function`` model and the
 sampler/trainer parity report on it (the ``jaxrl-kernels parity --model-fn`` command)."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_kernels.transform import model_fn
+from jaxrl_kernels.cli import model_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,10 @@ def test_load_errors_name_the_problem(spec, error, match):
     model_fn.load(spec)
 
 
-def test_parity_report_bitwise_on_a_llama_written_in_jnp(capsys):
+def test_parity_report_bitwise_on_a_llama_written_in_jnp(capsys, monkeypatch):
+  # The repository's test model, tests/transform/llama_jnp.py.
+  monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "transform"))
   ok = model_fn.parity_report("llama_jnp:build", batch=2, prompt_len=3, new_tokens=3)
   out = capsys.readouterr().out
   assert ok, out

@@ -6,15 +6,13 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
 
 import jaxrl_kernels
 import jaxrl_kernels.nn.sampler
-from jaxrl_kernels import parity
-from jaxrl_kernels.__main__ import main
+from jaxrl_kernels.cli import main, parity
 
 SMALL = ["--model", "test", "--batch", "3", "--prompt-len", "4", "--new-tokens", "5",
          "--dtype", "float32"]
@@ -155,19 +153,15 @@ def test_no_fma_flag_only_for_interpreted_kernels(argv, flag, monkeypatch):
 
 
 def test_grpo_demo_gets_its_arguments(monkeypatch):
+  from jaxrl_kernels.cli import grpo_demo
   seen = []
-  demo = types.ModuleType("jaxrl_kernels.demos.grpo_demo")
-  demo.main = lambda argv: seen.append(argv) or 0
-  pkg = types.ModuleType("jaxrl_kernels.demos")
-  pkg.grpo_demo = demo
-  monkeypatch.setitem(sys.modules, "jaxrl_kernels.demos", pkg)
-  monkeypatch.setitem(sys.modules, "jaxrl_kernels.demos.grpo_demo", demo)
+  monkeypatch.setattr(grpo_demo, "main", lambda argv: seen.append(argv) or 0)
   assert main(["grpo-demo", "--steps", "2"]) == 0
   assert seen == [["--steps", "2"]]
 
 
 def test_progress_falls_back_to_prints_without_rich(capsys, monkeypatch):
-  from jaxrl_kernels.parity import Progress
+  from jaxrl_kernels.cli.parity import Progress
   monkeypatch.setitem(sys.modules, "rich.progress", None)  # `import rich.progress` fails
   with Progress(2) as bar:
     bar.stage("sample")
@@ -180,7 +174,7 @@ def test_package_ships_py_typed():
   import importlib.resources
   import tomllib
   assert importlib.resources.files("jaxrl_kernels").joinpath("py.typed").is_file()
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   with open(os.path.join(root, "pyproject.toml"), "rb") as f:
     project = tomllib.load(f)
   assert "py.typed" in project["tool"]["setuptools"]["package-data"]["jaxrl_kernels"]
@@ -203,7 +197,9 @@ def test_rollout_tp_against_train_fsdp_exits_zero_and_nonzero_on_a_drift(capsys,
   assert "== kernels" not in out and "TinyCausalLM" not in out  # only this section runs
   rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
   ours = [r for r in rows if r[0] == "jaxrl_kernels"]
-  assert len(ours) == 2 and all("yes" in r and "12/12" in r for r in ours)
+  # Sampled at TP=2 and unsharded, each scored by the FSDP=2 and the unsharded trainer.
+  assert len(ours) == 4 and all("yes" in r and "12/12" in r for r in ours)
+  assert [r[1] for r in ours] == ["TP=2", "TP=2", "unsharded", "unsharded"]
   # The controls are printed beside it (psum merge at TP=2, stock XLA).
   assert sum(r[:2] == ["psum", "merge"] for r in rows) == 2
   assert sum(r[:2] == ["stock", "XLA"] for r in rows) == 2
@@ -226,6 +222,7 @@ def test_rollout_tp_against_train_fsdp_exits_zero_and_nonzero_on_a_drift(capsys,
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines() if line.startswith("  jaxrl_kernels")]
   assert "NO" in rows[0] and "0/12" in " ".join(rows[0]) and "yes" in rows[1]
+  assert "NO" in rows[2] and "0/12" in " ".join(rows[2]) and "yes" in rows[3]
   assert "NOT bitwise on-policy here" in out
 
 
@@ -270,8 +267,8 @@ def test_sharded_and_model_fn_arguments_are_refused_before_any_work(argv, messag
 def test_rollout_tp_must_divide_the_models_chunks():
   """A TP degree dividing the kv heads but not the model's canonical row-parallel chunks
   (at most 8) is named; one dividing both passes."""
+  from jaxrl_kernels.cli.parity_tp import TINY, check_layout
   from jaxrl_kernels.models import config as preset_config
-  from jaxrl_kernels.parity_tp import TINY, check_layout
 
   wide = dataclasses.replace(TINY, num_attention_heads=16, num_key_value_heads=16)
   assert check_layout(wide, rollout_tp=16, train_fsdp=1, num_devices=16) == (
@@ -322,7 +319,7 @@ def test_model_fn_runs_a_users_model_function(tmp_path, monkeypatch, capsys):
 
 
 def test_model_fn_exit_status_follows_the_report(monkeypatch, tmp_path):
-  from jaxrl_kernels.transform import model_fn
+  from jaxrl_kernels.cli import model_fn
   (tmp_path / "user_bigram.py").write_text(MODEL_FN)
   monkeypatch.syspath_prepend(str(tmp_path))
   seen = []
@@ -332,3 +329,115 @@ def test_model_fn_exit_status_follows_the_report(monkeypatch, tmp_path):
   spec, kw = seen[0]
   assert spec == "user_bigram:build" and kw["seed"] == 3 and kw["batch"] == 8
   assert callable(kw["progress"])
+
+
+# --------------------------------------- bad arguments and bad input files: exit 2, one line
+
+
+def _refused(argv, capsys):
+  """Runs ``main(argv)``; asserts exit status 2, nothing on stdout, one line on stderr (no
+  traceback); returns that line."""
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  out, err = capsys.readouterr()
+  assert e.value.code == 2, (out, err)
+  assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+  return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "0"], "argument --temperature: temperature must be > 0, got 0.0"),
+    (["--temperature", "-1"], "argument --temperature: temperature must be > 0, got -1.0"),
+    (["--temperature", "nan"], "argument --temperature: temperature must be finite"),
+    (["--temperature", "inf"], "argument --temperature: temperature must be finite"),
+    (["--temperature", "1e-42"], "argument --temperature: temperature must lie in"),
+    (["--temperature", "warm"], "argument --temperature: "),
+    (["--seed", "-1"], "argument --seed: must be an int in [0, 4294967295], got '-1'"),
+    (["--seed", "4294967296"], "argument --seed: must be an int in [0, 4294967295]"),
+    (["--model-dtype", "float64"], "argument --model-dtype: invalid choice: 'float64'"),
+    (["--params", "/no/such/params.safetensors"],
+     "--params /no/such/params.safetensors: no such file or folder"),
+    (["--model-dtype", "float16"], "--model-dtype float16: TinyLMConfig: dtype must be"),
+    (["--model-dtype", "float16", "--model", "test"], "--model-dtype float16: "),
+])
+def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
+  err = _refused(["parity", *argv], capsys)
+  assert message in err and "jaxrl-kernels" in err
+
+
+def test_model_dtype_aliases_are_accepted(monkeypatch):
+  seen = []
+  monkeypatch.setattr(parity, "run_parity", lambda args: seen.append(args.model_dtype) or 0)
+  for dtype in parity.MODEL_DTYPES:
+    assert main(["parity", "--model-dtype", dtype]) == 0
+  assert seen == list(parity.MODEL_DTYPES)
+  assert {"float16", "bf16", "fp16", "fp32", "auto"} <= set(seen)
+  assert parity.plain_dtype("--model-dtype", "bf16", "float32") == "bfloat16"
+  assert parity.plain_dtype("--model-dtype", "auto", "float32") == "float32"
+
+
+def test_a_corrupt_or_mismatched_params_file_exits_2(tmp_path, capsys):
+  bad = tmp_path / "bad.safetensors"
+  bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+  err = _refused(["parity", *SMALL, "--params", str(bad)], capsys)
+  assert f"--params {bad}: " in err
+  # A real checkpoint of another model: the names/shapes that do not match are listed.
+  from flax import nnx
+
+  from jaxrl_kernels.nn import checkpoint
+  from jaxrl_kernels.nn.tiny_lm import TinyCausalLM, TinyLMConfig
+  other = tmp_path / "other.safetensors"
+  checkpoint.save_params(TinyCausalLM(TinyLMConfig.preset("test", vocab_size=32),
+                                      rngs=nnx.Rngs(0)), str(other))
+  err = _refused(["parity", *SMALL, "--params", str(other)], capsys)
+  assert f"--params {other}: load_params: " in err and "does not match the model" in err
+
+
+def test_a_corrupt_hf_folder_exits_2(tmp_path, capsys):
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  (folder / "config.json").write_text("{not json")
+  err = _refused(["parity", "--model", f"hf:{folder}"], capsys)
+  assert f"--model hf:{folder}: " in err
+  (folder / "config.json").write_text("[1, 2]")
+  assert f"--model hf:{folder}: " in _refused(["parity", "--model", f"hf:{folder}"], capsys)
+
+
+# A one-layer Qwen2 small enough for the CPU, saved as a Hugging Face folder in bfloat16.
+# (V = 1000, H = 128: large enough that a temperature applied two ways differs in bf16.)
+TINY_DECODER = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=128, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+  from jaxrl_kernels import models
+  path = tmp_path_factory.mktemp("parity_hf") / "qwen2-tiny-bf16"
+  models.save_pretrained(models.preset("qwen2.5-0.5b", 5, "bfloat16", **TINY_DECODER), path)
+  return path
+
+
+def test_hf_bf16_at_temperature_0_7_checks_the_unsharded_sampler_too(bf16_folder):
+  """bf16 at a temperature that is not a power of two, with the user's default XLA flags
+  (a subprocess: the suite's own flags turn FMA contraction off): the sampler on the plain
+  DecoderLM (nn.sample unsharded) and the one on the model sharded TP = 1 both give the
+  trainers' bits, and the command reports both."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  r = subprocess.run([sys.executable, "-m", "jaxrl_kernels", "parity", "--model",
+                      f"hf:{bf16_folder}", "--model-dtype", "bfloat16", "--temperature", "0.7",
+                      "--batch", "8", "--prompt-len", "8", "--new-tokens", "16"],
+                     env=env, capture_output=True, text=True, timeout=300)
+  rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  jaxrl_kernels")]
+  assert [row[1] for row in rows] == ["TP=1", "TP=1", "unsharded", "unsharded"], r.stdout
+  assert all("yes" in row for row in rows), r.stdout
+  assert "temperature 0.7" in r.stdout and r.returncode == 0, r.stderr
+
+
+def test_a_corrupt_checkpoint_in_an_hf_folder_exits_2(bf16_folder, tmp_path, capsys):
+  import shutil
+  folder = tmp_path / "truncated"
+  shutil.copytree(bf16_folder, folder)
+  weights = sorted(folder.glob("*.safetensors"))[0]
+  weights.write_bytes(weights.read_bytes()[:200])
+  err = _refused(["parity", "--model", f"hf:{folder}", "--model-dtype", "bf16"], capsys)
+  assert f"--model hf:{folder} --model-dtype bf16: " in err

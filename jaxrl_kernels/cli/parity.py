@@ -19,9 +19,9 @@ Two sections:
 With ``--rollout-tp N`` / ``--train-fsdp M``, or ``--model`` naming a Llama / Qwen
 ``DecoderLM`` (a ``models`` preset or ``hf:PATH``), only the sharded-model section runs
 instead: sampled with the model tensor-parallel over N devices, scored fully sharded over
-M devices and unsharded (:mod:`jaxrl_kernels.parity_tp`). With ``--model-fn
+M devices and unsharded (:mod:`jaxrl_kernels.cli.parity_tp`). With ``--model-fn
 module:function``, only a user's model function is checked, under ``batch_invariant``
-(:mod:`jaxrl_kernels.transform.model_fn`).
+(:mod:`jaxrl_kernels.cli.model_fn`).
 
 Exit status 0 iff jaxrl_kernels is bitwise in every section that ran, 1 when it is not,
 2 for arguments that cannot run here (said in one line before any work).
@@ -46,8 +46,30 @@ from jaxrl_kernels.models.config import PRESETS
 
 def usage_error(message: str) -> None:
   """Stops the command with ``message`` on one line and exit status 2 (argparse's)."""
-  print(f"jaxrl-kernels: error: {message}", file=sys.stderr)
+  print(f"jaxrl-kernels: error: {' '.join(str(message).split())}", file=sys.stderr)
   raise SystemExit(2)
+
+
+#: What a bad argument or a bad input file raises while the library loads or checks it
+#: (a missing or unreadable file, a value or a file's content it refuses): exit status 2.
+INPUT_ERRORS = (OSError, ValueError, TypeError)
+
+
+class Parser(argparse.ArgumentParser):
+  """An ``ArgumentParser`` whose errors are one line on stderr naming the flag, exit 2
+  (argparse's own print the usage first)."""
+
+  def parse_known_args(self, args=None, namespace=None):
+    # argparse drops a value spelled "--" ("--seed=--" parses as an empty list).
+    for a in sys.argv[1:] if args is None else args:
+      if isinstance(a, str) and a.startswith("-") and a.endswith("=--"):
+        self.error(f"argument {a.split('=', 1)[0]}: expected a value, got '--'")
+    return super().parse_known_args(args, namespace)
+
+  def error(self, message: str):
+    print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} -h)",
+          file=sys.stderr)
+    raise SystemExit(2)
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -182,6 +204,18 @@ def _variants(batch: int, tp: int) -> list[tuple[str, dict]]:
   return out
 
 
+def check_params(cfg, path: str) -> None:
+  """Loads ``--params`` into a model of ``cfg`` once, before any work; a file that is not
+  a checkpoint of that model stops the command (exit 2, the reason in one line)."""
+  from flax import nnx
+
+  from jaxrl_kernels.nn.tiny_lm import TinyCausalLM
+  try:
+    _load_params(TinyCausalLM(cfg, rngs=nnx.Rngs(0)), path)
+  except (*INPUT_ERRORS, ImportError, KeyError, AttributeError) as e:  # a file of any shape
+    usage_error(f"--params {path}: {e}")
+
+
 def _load_params(model, path: str):
   from jaxrl_kernels.nn import checkpoint
   loaded = checkpoint.load_params(model, path)
@@ -248,7 +282,8 @@ def parity_report(args, mesh: jax.sharding.Mesh | None = None) -> bool:
 
   preset = TinyLMConfig.preset(args.model)
   vocab = model_vocab_size(preset.vocab_size, args.vocab_size, args.tp)
-  cfg = TinyLMConfig.preset(args.model, dtype=args.model_dtype, vocab_size=vocab)
+  cfg = TinyLMConfig.preset(args.model, dtype=plain_dtype("--model-dtype", args.model_dtype,
+                                                           "float32"), vocab_size=vocab)
   if args.tp > 1 and mesh is None:
     mesh = tp_mesh(args.tp, args.device)
   rng = np.random.default_rng(args.seed)
@@ -326,6 +361,71 @@ def _positive_int(text: str) -> int:
   return value
 
 
+def non_negative_int(text: str) -> int:
+  """argparse type: an int >= 0."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+  return value
+
+
+positive_int = _positive_int
+
+SEED_MAX = 2**32 - 1
+
+
+def seed(text: str) -> int:
+  """argparse type: a seed in ``[0, 2**32 - 1]`` (numpy's and ``jax.random.key``'s range)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or not 0 <= value <= SEED_MAX:
+    raise argparse.ArgumentTypeError(f"must be an int in [0, {SEED_MAX}], got {text!r}")
+  return value
+
+
+def temperature(text: str) -> float:
+  """argparse type: a sampling temperature (``_validation.as_temperature``: finite, > 0,
+  its reciprocal finite in float32)."""
+  from jaxrl_kernels._validation import as_temperature
+  try:
+    return as_temperature("--temperature", float(text))
+  except (TypeError, ValueError) as e:
+    reason = str(e).split(": ", 1)[-1] if str(e).startswith("--temperature") else str(e)
+    raise argparse.ArgumentTypeError(f"{reason} (from {text!r})") from None
+
+
+def positive_float(text: str) -> float:
+  """argparse type: a finite float > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = float("nan")
+  if not (np.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+  return value
+
+
+#: ``--model-dtype``: what ``models.from_pretrained`` / ``models.preset`` take, and the
+#: common aliases (``auto``: the checkpoint's ``torch_dtype``). The strings go to the
+#: library unchanged; the TinyCausalLM and the built-in DecoderLM read them by
+#: :data:`DTYPE_ALIASES`.
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def plain_dtype(flag: str, dtype: str | None, default: str) -> str:
+  """A ``--model-dtype`` value for a model built here (not loaded from a checkpoint):
+  aliases resolved, ``auto``/None as ``default``."""
+  if dtype is None or dtype == "auto":
+    return default
+  return DTYPE_ALIASES.get(dtype, dtype)
+
+
 def _model_spec(text: str) -> str:
   """argparse type: a TinyCausalLM preset, a models preset, or ``hf:PATH``."""
   if text in TINY_LM_PRESETS or text in PRESETS or (text.startswith("hf:") and len(text) > 3):
@@ -360,19 +460,21 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
                       f"({', '.join(sorted(PRESETS))}) or hf:PATH (a local Hugging Face "
                       "folder): a DecoderLM, checked as with --rollout-tp 1 --train-fsdp 1; "
                       "with --rollout-tp / --train-fsdp, tiny is a 2-layer DecoderLM")
-  p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"],
-                 help="the model's parameter/activation dtype")
+  p.add_argument("--model-dtype", default="float32", choices=MODEL_DTYPES,
+                 help="the model's dtype (parameters and activations; for hf:PATH the "
+                      "activations, the parameters stay the checkpoint's); auto: the "
+                      "checkpoint's torch_dtype (float32 for a model without one)")
   p.add_argument("--vocab-size", type=int, default=None,
                  help="override the preset's vocabulary (default: the preset's, padded to a "
                       f"multiple of TP x {VOCAB_TILE} when --tp needs it)")
   p.add_argument("--params", default=None, metavar="PATH",
                  help="load parameters from a safetensors file or an orbax folder")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--batch", type=int, default=8, help="prompts, the sampler's batch B1")
-  p.add_argument("--prompt-len", type=int, default=8)
-  p.add_argument("--new-tokens", type=int, default=16)
-  p.add_argument("--temperature", type=float, default=1.0)
-  p.add_argument("--tp", type=int, default=1,
+  p.add_argument("--seed", type=seed, default=0)
+  p.add_argument("--batch", type=positive_int, default=8, help="prompts, the sampler's batch B1")
+  p.add_argument("--prompt-len", type=positive_int, default=8)
+  p.add_argument("--new-tokens", type=positive_int, default=16)
+  p.add_argument("--temperature", type=temperature, default=1.0)
+  p.add_argument("--tp", type=positive_int, default=1,
                  help="also recompute with the LM head vocab-parallel over N devices")
   p.add_argument("--rollout-tp", type=_positive_int, default=None, metavar="N",
                  help="sample with the whole DecoderLM tensor-parallel over N devices "
@@ -426,9 +528,9 @@ def run_kernels(args) -> int:
 def run_model_fn(args) -> int:
   """``parity --model-fn module:function``: the user's model under ``batch_invariant``."""
   try:
-    from jaxrl_kernels.transform import model_fn
+    from jaxrl_kernels.cli import model_fn
   except ImportError as e:
-    usage_error(f"--model-fn needs jaxrl_kernels.transform.model_fn, which this "
+    usage_error(f"--model-fn needs jaxrl_kernels.cli.model_fn, which this "
                 f"installation cannot import: {e}")
   select_device(args.device)
   try:  # the user's module, its function and what it returns, checked before any work
@@ -448,8 +550,8 @@ def run_model_fn(args) -> int:
 
 def run_sharded(args) -> int:
   """``parity --rollout-tp N --train-fsdp M`` (or ``--model PRESET|hf:PATH``): the
-  DecoderLM sampled TP = N, scored FSDP = M and unsharded (:mod:`jaxrl_kernels.parity_tp`)."""
-  from jaxrl_kernels import parity_tp
+  DecoderLM sampled TP = N, scored FSDP = M and unsharded (:mod:`jaxrl_kernels.cli.parity_tp`)."""
+  from jaxrl_kernels.cli import parity_tp
 
   n, m = args.rollout_tp or 1, args.train_fsdp or 1
   for flag, bad in (("--tp", args.tp > 1), ("--params", args.params is not None),
@@ -459,21 +561,26 @@ def run_sharded(args) -> int:
                   f"(--rollout-tp / --train-fsdp / --model {args.model}) does not take it")
   try:
     cfg = parity_tp.model_config(args.model)
-  except (OSError, ValueError) as e:
+  except INPUT_ERRORS as e:
     usage_error(f"--model {args.model}: {e}")
   select_device(args.device, max(n, m))
   problem = parity_tp.check_layout(cfg, rollout_tp=n, train_fsdp=m,
                                    num_devices=len(jax.devices()))
   if problem:
     usage_error(problem)
-  header("on-policy parity report")
-  t0 = time.perf_counter()
   build = dict(dtype=args.model_dtype, seed=args.seed)
-  stages = 3 * (1 + (n > 1) + 1) + 1
-  with Progress(stages) as bar:
-    bar.stage(f"build {args.model} (kernels and stock XLA)")
+  try:  # a checkpoint or a dtype the library refuses stops here, before any report
     model = parity_tp.build_model(args.model, implementation=args.implementation, **build)
     stock = parity_tp.build_model(args.model, implementation="xla", **build)
+  except INPUT_ERRORS as e:
+    usage_error(f"--model {args.model} --model-dtype {args.model_dtype}: {e}")
+  header("on-policy parity report")
+  t0 = time.perf_counter()
+  # Stages: the build, then per sampler (ours at TP = N and unsharded, the psum control at
+  # N > 1, stock XLA) one rollout and two trainers.
+  stages = 3 * (2 + (n > 1) + 1) + 1
+  with Progress(stages) as bar:
+    bar.stage(f"build {args.model} (kernels and stock XLA)")
     ok = parity_tp.tp_report(model, rollout_tp=n, train_fsdp=m, stock_model=stock,
                              seed=args.seed, batch=args.batch, prompt_len=args.prompt_len,
                              new_tokens=args.new_tokens, temperature=args.temperature,
@@ -497,10 +604,19 @@ def run_parity(args) -> int:
   if args.rollout_tp or args.train_fsdp or args.model not in TINY_LM_PRESETS:
     return run_sharded(args)
   from jaxrl_kernels.nn.tiny_lm import TinyLMConfig
+  if args.params is not None and not os.path.exists(args.params):
+    usage_error(f"--params {args.params}: no such file or folder")
   # Everything that can refuse the arguments runs before the first kernel compiles.
-  model_vocab_size(TinyLMConfig.preset(args.model).vocab_size, args.vocab_size, args.tp)
+  vocab = model_vocab_size(TinyLMConfig.preset(args.model).vocab_size, args.vocab_size, args.tp)
+  try:
+    cfg = TinyLMConfig.preset(args.model, dtype=plain_dtype("--model-dtype", args.model_dtype,
+                                                            "float32"), vocab_size=vocab)
+  except INPUT_ERRORS as e:
+    usage_error(f"--model-dtype {args.model_dtype}: {e}")
   select_device(args.device, args.tp)
   mesh = tp_mesh(args.tp, args.device)
+  if args.params is not None:
+    check_params(cfg, args.params)
   header("on-policy parity report")
   t0 = time.perf_counter()
   ok = kernels_report(args)

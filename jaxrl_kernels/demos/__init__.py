@@ -1,1 +1,0 @@
-"""Demos run by the main command (``jaxrl-kernels grpo-demo``)."""
