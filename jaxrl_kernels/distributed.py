@@ -185,6 +185,9 @@ def mesh(axes: Sequence[tuple[str, int]], devices: Sequence | None = None) -> Me
     raise ValueError(f"distributed.mesh: axis names must be distinct, got {names}")
   devs = sorted(jax.devices() if devices is None else devices,
                 key=lambda d: (d.process_index, d.id))
+  for a, b in zip(devs, devs[1:]):  # sorted: a device listed twice sits next to itself
+    if (a.process_index, a.id) == (b.process_index, b.id):
+      raise ValueError(f"distributed.mesh: devices must be distinct, got {b} more than once")
   sizes = tuple(int(a[1]) for a in axes)
   if int(np.prod(sizes)) != len(devs):
     raise ValueError(f"distributed.mesh: axis sizes {dict(axes)} multiply to "

@@ -139,7 +139,11 @@ def _hyper(fn: str, name: str, value, *, lo: float, lo_open: bool = False,
 
 
 def _denominator(fn: str, denominator):
-  return None if denominator is None else val.as_scalar(fn, "denominator", denominator)
+  """``denominator=`` checked to be > 0 (a value below 1, e.g. a Dr.GRPO constant, is used
+  as given: only the count of tokens is kept at least 1, so no tokens give a loss of 0)."""
+  if denominator is None:
+    return None
+  return _hyper(fn, "denominator", denominator, lo=0.0, lo_open=True)
 
 
 def _log_ratio(logp, base, active) -> jax.Array:
@@ -176,8 +180,9 @@ def _masked_max(x, active, axis_names: AxisNames, *, sign: float) -> jax.Array:
 
 
 def _divide(total, count, denominator) -> jax.Array:
-  denom = count if denominator is None else jnp.asarray(denominator, total.dtype)
-  return total / jnp.maximum(denom, jnp.ones((), total.dtype))
+  if denominator is not None:
+    return total / jnp.asarray(denominator, total.dtype)
+  return total / jnp.maximum(count, jnp.ones((), total.dtype))
 
 
 def _reduce_tokens(per_token, active, *, token_level: bool, axis_names: AxisNames,

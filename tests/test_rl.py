@@ -72,17 +72,18 @@ def ref_ppo(logp, old, adv, mask, cl=0.2, ch=0.2, dual=None, token_level=True, d
       clipped.append(p2 > p1)
       kls.append(r - 1 - np.log(r))
   n_tok = mask.sum()
+  # The count is at least 1 (no tokens: loss 0); a given denominator is used as it is.
   if token_level:
-    n = n_tok if denom is None else denom
-    loss = loss_tok.sum() / max(n, 1)
-    grad = dtok / max(n, 1)
+    n = max(n_tok, 1) if denom is None else denom
+    loss = loss_tok.sum() / n
+    grad = dtok / n
   else:
     rows = [i for i in range(b) if mask[i].any()]
-    n = len(rows) if denom is None else denom
-    loss = sum(loss_tok[i].sum() / mask[i].sum() for i in rows) / max(n, 1)
+    n = max(len(rows), 1) if denom is None else denom
+    loss = sum(loss_tok[i].sum() / mask[i].sum() for i in rows) / n
     grad = np.zeros((b, t))
     for i in rows:
-      grad[i] = dtok[i] / mask[i].sum() / max(n, 1)
+      grad[i] = dtok[i] / mask[i].sum() / n
   clipfrac = np.mean(clipped) if clipped else 0.0
   approx_kl = np.mean(kls) if kls else 0.0
   return loss, grad, clipfrac, approx_kl
@@ -576,6 +577,23 @@ def test_ratio_overflow_is_clamped_and_reported(delta):
     assert np.all(np.isfinite(rl.kl(logp, old, mask=mask, kind=kind))) and np.all(np.isfinite(g))
   assert float(rl.tis_weights(logp, old, mask=mask)[0, 0]) == (2.0 if delta > 0 else
                                                                pytest.approx(np.exp(-20.0)))
+
+
+def test_denominator_must_be_positive_and_is_never_clamped():
+  """A non-positive denominator is refused by name (concrete: ValueError; traced: checkify);
+  one below 1 is used as given: the loss is total / denominator, not total / 1."""
+  logp, old, mask = _batch(7)
+  adv = np.linspace(-1, 1, logp.shape[0]).astype(np.float32)
+  for den in (0.0, -3.0):
+    with pytest.raises(ValueError, match=r"ppo_clip_loss: denominator must be > 0, got "
+                                         r"denominator="):
+      rl.ppo_clip_loss(logp, old, adv, mask=mask, denominator=den)
+  ppo = lambda den: rl.ppo_clip_loss(logp, old, adv, mask=mask, denominator=den)[0]  # noqa
+  err, _ = checkify.checkify(jax.jit(ppo))(0.0)
+  assert "ppo_clip_loss: denominator must be > 0" in err.get()
+  half, one = float(ppo(0.5)), float(ppo(1.0))
+  assert one != 0.0 and half == 2.0 * one  # an exact power-of-two scale
+  assert rel_err(half, ref_ppo(logp, old, adv, mask, denom=0.5)[0]) <= FWD
 
 
 def test_grpo_rewards_shape_error_names_rewards():

@@ -232,3 +232,6 @@ def test_mesh_order_and_errors():
     distributed.mesh([("tp", 2), ("tp", 2)], devices=devs)
   with pytest.raises(ValueError, match=r"axes must be \(name, size >= 1\) pairs"):
     distributed.mesh([("tp", 0)], devices=devs)
+  with pytest.raises(ValueError, match=r"distributed.mesh: devices must be distinct, got .* "
+                                       r"more than once"):
+    distributed.mesh([("tp", 2), ("dp", 2)], devices=[devs[0], devs[1], devs[2], devs[0]])
