@@ -104,7 +104,7 @@ def test_transformed_sdpa_llama_runs_the_library_attention_on_gpu(attention):
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", ["llama_jnp:build", "llama_jnp:build_sdpa"])
 def test_model_fn_parity_report_is_bitwise_on_gpu(spec, capsys):
-  from jaxrl_kernels.transform import model_fn
+  from jaxrl_kernels.cli import model_fn
 
   assert model_fn.parity_report(spec, batch=4, prompt_len=8, new_tokens=8), (
       capsys.readouterr().out)
