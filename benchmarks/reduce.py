@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     print(lines[-1], flush=True)
     ref = None
     for cfg in CONFIGS:
-      c = reduce_triton.ReduceConfig(**cfg)
+      c = reduce_triton.Config(**cfg)
       f = jax.jit(lambda x, c=c: reduce_triton.reduce_rows(
           x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype, interpret=False, config=c))
       out = np.asarray(f(x)).view(np.uint32)

@@ -2,7 +2,7 @@
 
   PYTHONPATH=$PWD python benchmarks/tune_gemm_cuda.py [--shapes M,K,N;...] [--sweep walk|tile]
 
-Each setting is a ``gemm_ffi.CudaGemmConfig`` (tile, swizzle, raster), passed to
+Each setting is a ``gemm_ffi.Config`` (tile, swizzle, raster), passed to
 the kernel as FFI attributes (det_gemm_sm90_kernels.cuh: ``SchedulerKnobs``), so
 each is its own compiled program. Every setting must give the same bits (the
 walk never changes a tile's K order); the sweep checks that too. Prints a
@@ -18,20 +18,20 @@ import numpy as np
 from _timing import copies_for, device_ms
 
 from jaxrl_kernels import det_matmul
-from jaxrl_kernels.custom_calls.gemm_ffi import CudaGemmConfig, matmul_cuda
+from jaxrl_kernels.custom_calls.gemm_ffi import Config, matmul_cuda
 
 SHAPES = [(1024, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336), (1024, 14336, 4096),
           (8192, 14336, 4096), (8192, 4096, 4096)]
-WALKS = [CudaGemmConfig(swizzle=s, raster=r) for r in ("heuristic", "m", "n")
+WALKS = [Config(swizzle=s, raster=r) for r in ("heuristic", "m", "n")
          for s in (1, 2, 4, 8)]
 TILE_SHAPES = [(64, 4096, 4096), (256, 4096, 4096), (256, 4096, 14336), (256, 14336, 4096),
                (1024, 4096, 4096), (1024, 4096, 14336), (1024, 14336, 4096), (2048, 4096, 14336),
                (4096, 4096, 14336), (8192, 4096, 14336)]
 # Each tile with the default walk (swizzle 0: the rule in SchedulerKnobs).
-TILES = [CudaGemmConfig(tile=t) for t in ("large", "medium", "small")]
+TILES = [Config(tile=t) for t in ("large", "medium", "small")]
 
 
-def _name(c: CudaGemmConfig) -> str:
+def _name(c: Config) -> str:
   if c.tile is not None:
     return c.tile
   return f"s{c.swizzle}{c.raster[0]}"

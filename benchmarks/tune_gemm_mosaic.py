@@ -14,7 +14,7 @@ from _timing import copies_for, device_ms
 
 from jaxrl_kernels.pallas import gemm_mosaic as gm
 
-C = gm.MosaicConfig
+C = gm.Config
 SMALL = [
     C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=8),
     C(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n", max_concurrent_steps=12),

@@ -28,7 +28,7 @@ from jaxrl_kernels.pallas import linear_logp_mosaic as lm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bits_digest, device_ms, head_product, head_weight  # noqa: E402
 
-C = lm.MosaicLogpConfig
+C = lm.Config
 # Rows per CTA x warpgroups per CTA (one vocab tile each) x pipeline depth x hidden columns
 # per pipeline step (x hidden rows in place: the logits only).
 CONFIGS = [

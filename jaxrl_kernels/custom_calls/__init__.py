@@ -4,7 +4,7 @@
   ``det_gemm_sm90_tile_*.cu``: the deterministic GEMM (CUTLASS 3.x SM90
   collectives: TMA, wgmma, warp-specialized kernels, three CTA tiles, the K
   tile ``kTileK`` = ``contract.GEMM_TILE_K``).
-* ``gemm_ffi.py``: ``matmul_cuda`` and its free knobs ``CudaGemmConfig`` (tile,
+* ``gemm_ffi.py``: ``matmul_cuda`` and its free knobs ``Config`` (tile,
   CTA walk; passed as FFI attributes), the kernel of ``det_matmul``'s
   ``implementation="cuda"`` backend (``gemm/cuda.py``).
 * ``build.py``: ``python -m jaxrl_kernels.custom_calls.build [--out DIR]``.

@@ -7,7 +7,7 @@ The kernel (``det_gemm_sm90.cu``) computes, for bf16 or fp16 inputs,
 with float32 accumulation over a fixed 64-wide K tile walked in ascending
 order (no split-K, no stream-K), so row ``m`` of ``out`` is bitwise
 independent of M (CONTRACT.md §1). The CUTLASS tile configuration (``TILES``)
-and the persistent scheduler's walk are free knobs (:class:`CudaGemmConfig`,
+and the persistent scheduler's walk are free knobs (:class:`Config`,
 passed to the kernel as FFI attributes; the tile picked per shape by
 :func:`tile_for` unless the config names one): every configuration runs the
 same wgmma chain per output element and gives the same bits (tested).
@@ -55,7 +55,7 @@ MEDIUM_TILE_COST = 1.12
 
 
 @dataclasses.dataclass(frozen=True)
-class CudaGemmConfig:
+class Config:
   """Free knobs of the CUDA GEMM (none touches a row's K order; all give the same bits).
 
   Attributes:
@@ -72,13 +72,13 @@ class CudaGemmConfig:
 
   def __post_init__(self):
     if self.tile is not None and self.tile not in TILES:
-      raise ValueError(f"CudaGemmConfig: tile must be one of {tuple(TILES)} or None, got "
+      raise ValueError(f"gemm_ffi.Config: tile must be one of {tuple(TILES)} or None, got "
                        f"{self.tile!r}")
     if self.swizzle not in SWIZZLES or isinstance(self.swizzle, bool):
-      raise ValueError(f"CudaGemmConfig: swizzle must be one of {SWIZZLES}, got "
+      raise ValueError(f"gemm_ffi.Config: swizzle must be one of {SWIZZLES}, got "
                        f"{self.swizzle!r}")
     if self.raster not in RASTERS:
-      raise ValueError(f"CudaGemmConfig: raster must be one of {RASTERS}, got {self.raster!r}")
+      raise ValueError(f"gemm_ffi.Config: raster must be one of {RASTERS}, got {self.raster!r}")
 
 
 _LIBRARY: list[ctypes.CDLL] = []  # keeps the loaded library referenced
@@ -176,7 +176,7 @@ def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 
 def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
-                out_dtype, config: CudaGemmConfig | None = None) -> jax.Array:
+                out_dtype, config: Config | None = None) -> jax.Array:
   """Deterministic ``op(lhs) @ op(rhs)`` on Hopper through the CUDA custom call.
 
   Args:
@@ -187,7 +187,7 @@ def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_tra
       ``dB = A^T dC``.
     out_dtype: the input dtype or float32 (only the input dtype with
       ``lhs_transposed``).
-    config: the free knobs (default ``CudaGemmConfig()``: tile by shape,
+    config: the free knobs (default ``Config()``: tile by shape,
       default walk); every config gives the same bits.
 
   Returns:
@@ -209,9 +209,9 @@ def matmul_cuda(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_tra
   k = lhs.shape[0] if lhs_transposed else lhs.shape[1]
   n = rhs.shape[0] if rhs_transposed else rhs.shape[1]
   _backend.check_available("matmul_cuda", "cuda")
-  cfg = config if config is not None else CudaGemmConfig()
-  if not isinstance(cfg, CudaGemmConfig):
-    raise TypeError(f"matmul_cuda: config must be a CudaGemmConfig or None, got {config!r}")
+  cfg = config if config is not None else Config()
+  if not isinstance(cfg, Config):
+    raise TypeError(f"matmul_cuda: config must be a Config or None, got {config!r}")
   if m == 0 or n == 0 or k == 0:
     return jnp.zeros((m, n), out_dtype)
   target = register()

@@ -41,7 +41,7 @@ TILE_K = mosaic_loop.TILE_K
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class Config:
   """Free tuning knobs (none of them touches the K order)."""
 
   tile_m: int = 128  # rows per compute warpgroup (64 or 128: multiples of wgmma's m64)
@@ -58,7 +58,7 @@ class MosaicConfig:
 
   def __post_init__(self):
     if self.tile_k < TILE_K or self.tile_k % TILE_K:
-      raise ValueError(f"MosaicConfig: tile_k ({self.tile_k}) must be a positive multiple "
+      raise ValueError(f"gemm_mosaic.Config: tile_k ({self.tile_k}) must be a positive multiple "
                        f"of {TILE_K}")
 
   @property
@@ -87,7 +87,7 @@ def wave_use(m: int, n: int, cta_m: int, cta_n: int, sms: int = DEFAULT_NUM_SMS)
   return m * n / (-(-tiles // sms) * sms * cta_m * cta_n)
 
 
-def default_config(m: int, n: int, k: int, groups: int = 1) -> MosaicConfig:
+def default_config(m: int, n: int, k: int, groups: int = 1) -> Config:
   """Picks free knobs by shape (measured on an H100: benchmarks/tune_gemm_mosaic.py).
 
   Only tiles, warpgroups and walk order change; every config gives the same
@@ -102,16 +102,16 @@ def default_config(m: int, n: int, k: int, groups: int = 1) -> MosaicConfig:
     # N = 16384: 25.1 against 27.6 us; N = 1152 or 3072 keep 64: 4.4-4.6 and 9.1 us
     # against 5.5 and 13.3 with 128).
     if -(-n // 64) > DEFAULT_NUM_SMS:
-      return MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
+      return Config(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
                           max_concurrent_steps=4)
     if k % (2 * TILE_K) == 0:
       # 128-column K steps: half the pipeline steps (and waits) per byte of weight. M = 64,
       # K = 896, N = 1152: 3.8 against 4.5 us; K = 4864, N = 896: 12.8 against 15.8;
       # M = 1, K = N = 4096: 15.3 against 17.4. (The 128-wide tiles above keep 64-column
       # steps: 1-3% faster there.)
-      return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
+      return Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                           max_concurrent_steps=6, tile_k=2 * TILE_K)
-    return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
+    return Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                         max_concurrent_steps=8)
   if m <= MID_ROWS and n >= 256:
     return mid_config(m, n, groups)
@@ -122,21 +122,21 @@ def default_config(m: int, n: int, k: int, groups: int = 1) -> MosaicConfig:
     # (M = 256: K=14336,N=4096 0.95x and K=N=4096 1.27x of jnp.dot, against
     # 0.39x and 0.59x with the large tile. A weight gradient with a small output,
     # M=896 x N=1152 over 8192 tokens: 1.16x against 0.48x.)
-    return MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
+    return Config(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
                         max_concurrent_steps=6)
   large = wave_use(m, n, 128, 256)
   if m >= 192 and large < 0.75 and wave_use(m, n, 192, 192) > large:
     # The 128 x 256 tiles leave most of the last wave idle; 192 x 192 ones (three compute
     # warpgroups) fill it. The weight gradients of a 896 -> 9728 and a 4864 -> 896 layer
     # over 16384 tokens: 1.02x and 1.15x of jnp.dot, against 0.77x and 0.68x.
-    return MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
+    return Config(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
                         max_concurrent_steps=4, grid_minor="m", grid_tile_width=8)
   # M = 256 with N >= 14336 (112+ tiles): 0.96-0.97x with this, 0.72-0.74x with the above.
   # Outputs of at most 4 column tiles walk row by row (N-minor); wider ones in bands of 8
   # row tiles. (16384 x 896 over K = 9728, a 4864 -> 896 layer's dx: 397 us against 463-483
   # with the bands; K = 896: 45 against 51. 16384 x 4864: 199 with the bands, 208 without.)
   minor = "n" if n <= 4 * 256 else "m"
-  return MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+  return Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=3, grid_minor=minor, grid_tile_width=8)
 
 
@@ -148,16 +148,16 @@ MID_ROWS = 512
 # M = 256 (benchmarks/tune_gemm_mosaic.py --lists mid; H100): the largest tile keeps its
 # SM's tensor cores busiest, a smaller one spreads a product over more SMs.
 MID_TILES = (
-    (MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+    (Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                   max_concurrent_steps=4, grid_minor="m", grid_tile_width=2), 1.0),
-    (MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
+    (Config(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
                   max_concurrent_steps=6, grid_minor="m", grid_tile_width=2), 0.87),
-    (MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
+    (Config(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
                   max_concurrent_steps=6), 0.6),
 )
 
 
-def mid_config(m: int, n: int, groups: int = 1) -> MosaicConfig:
+def mid_config(m: int, n: int, groups: int = 1) -> Config:
   """The config of ``groups`` products of ``[m, n]`` outputs (``N >= 256``) whose waves of
   CTA tiles take the least time: waves x tile area / the tile's relative throughput.
 
@@ -179,7 +179,7 @@ def mid_config(m: int, n: int, groups: int = 1) -> MosaicConfig:
   return min(MID_TILES, key=waves_time)[0]
 
 
-def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: MosaicConfig, lhs_transposed: bool,
+def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: Config, lhs_transposed: bool,
             rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
             n_col_ops: int = 0, epilogue=None, group_rows: int | None = None,
             group_cols: bool = False, chunks: int = 1):
@@ -305,7 +305,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
 
 
 def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *, chunks: int,
-                      out_dtype, config: MosaicConfig | None = None) -> jax.Array:
+                      out_dtype, config: Config | None = None) -> jax.Array:
   """The row-parallel product in one launch: ``lhs [M, C Kc]`` (the ``C`` K chunks side by
   side), ``rhs [C Kc, N]`` -> ``[M, N]`` in ``out_dtype``:
   ``(((P0 + P1) + (P2 + P3)) + ...) + bias``, one rounding, ``P_c = lhs_c @ rhs_c`` each the
@@ -328,7 +328,7 @@ def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *,
   # Chunk views step 32 or 16 columns: as many more stages keep the same bytes in flight
   # (4 to 16 stages measured the same at down_proj's views).
   steps = 4 * TILE_K // mosaic_loop.chunk_step(k // chunks)
-  cfg = config or MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
+  cfg = config or Config(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
                                max_concurrent_steps=steps, grid_minor="m", grid_tile_width=4,
                                tree_registers=2)
   if bias is None:
@@ -339,8 +339,8 @@ def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *,
                 epilogue=lambda z, rows, cols, ids: z + cols[0])
 
 
-def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int,
-              chunks: int = 1, tile_k: int = TILE_K) -> MosaicConfig:
+def _fit_smem(cfg: Config, itemsize: int, out_itemsize: int,
+              chunks: int = 1, tile_k: int = TILE_K) -> Config:
   """Lowers the pipeline depth until the CTA's buffers (K steps of ``tile_k`` columns; with
   ``chunks``, the chunk tree's pending tiles kept in shared memory) fit in shared memory."""
   epi = min(cfg.epi_tile_m, cfg.tile_m) * min(cfg.epi_tile_n, cfg.tile_n)
@@ -352,7 +352,7 @@ def _fit_smem(cfg: MosaicConfig, itemsize: int, out_itemsize: int,
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
-def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed: bool,
+def supported_shape(m: int, n: int, k: int, cfg: Config, *, lhs_transposed: bool,
                     rhs_transposed: bool) -> str | None:
   """None when the kernel can run this shape, else the reason it cannot.
 
@@ -374,7 +374,7 @@ def supported_shape(m: int, n: int, k: int, cfg: MosaicConfig, *, lhs_transposed
 
 
 def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
-           out_dtype, config: MosaicConfig | None = None,
+           out_dtype, config: Config | None = None,
            acc: jax.Array | None = None, epilogue=None, row_operands=(),
            col_operands=(), chunks: int = 1) -> jax.Array:
   """``op(lhs) @ op(rhs)`` on Hopper; shapes as in ``gemm_triton.matmul``.

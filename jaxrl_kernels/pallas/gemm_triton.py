@@ -27,7 +27,7 @@ CONTRACT_BLOCK_K = GEMM_TRITON_BLOCK_K
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonConfig:
+class Config:
   """Tile choices of the Triton kernel.
 
   ``block_m`` is held fixed per dtype too: on some GPUs Triton picks a
@@ -42,12 +42,12 @@ class TritonConfig:
   num_stages: int = 3
 
 
-def default_config(dtype) -> TritonConfig:
+def default_config(dtype) -> Config:
   name = jnp.dtype(dtype).name
   if name == "float32":
-    return TritonConfig(block_m=64, block_n=64, block_k=CONTRACT_BLOCK_K[name], num_warps=4,
+    return Config(block_m=64, block_n=64, block_k=CONTRACT_BLOCK_K[name], num_warps=4,
                         num_stages=3)
-  return TritonConfig(block_m=64, block_n=128, block_k=CONTRACT_BLOCK_K[name], num_warps=4,
+  return Config(block_m=64, block_n=128, block_k=CONTRACT_BLOCK_K[name], num_warps=4,
                       num_stages=4)
 
 
@@ -90,7 +90,7 @@ def _kernel(lhs_ref, rhs_ref, out_ref, *, m, n, k, block_m, block_n, block_k,
 
 
 def matmul(lhs: jax.Array, rhs: jax.Array, *, lhs_transposed: bool, rhs_transposed: bool,
-           out_dtype, interpret: bool, config: TritonConfig | None = None) -> jax.Array:
+           out_dtype, interpret: bool, config: Config | None = None) -> jax.Array:
   """``op(lhs) @ op(rhs)`` with the deterministic tile walk.
 
   Args:

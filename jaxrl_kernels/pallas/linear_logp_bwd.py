@@ -42,7 +42,7 @@ VOCAB_TILE = fwd.VOCAB_TILE
 
 
 @dataclasses.dataclass(frozen=True)
-class TuningConfig:
+class Config:
   """Free tiling knobs of the fused backward (the defaults never depend on T;
   the logits recomputation's H step is the forward's contract ``block_h``).
 
@@ -57,7 +57,7 @@ class TuningConfig:
   """
 
   chunk: int = 4096
-  logits: fwd.TuningConfig = fwd.TuningConfig()  # noqa: RUF009 - frozen, shared safely
+  logits: fwd.Config = fwd.Config()  # noqa: RUF009 - frozen, shared safely
   dh_block_t: int = 128
   dh_block_h: int = 128
   dh_block_v: int = 64
@@ -68,18 +68,18 @@ class TuningConfig:
   num_stages: int = 3
 
 
-def default_config(compute_dtype, interpret: bool) -> TuningConfig:
+def default_config(compute_dtype, interpret: bool) -> Config:
   logits = fwd.default_config(compute_dtype, interpret)
   if interpret:
-    return TuningConfig(chunk=512, logits=logits, dh_block_t=32, dh_block_h=64, dh_block_v=128,
+    return Config(chunk=512, logits=logits, dh_block_t=32, dh_block_h=64, dh_block_v=128,
                      dw_block_h=64, dw_block_v=128, dw_block_t=32)
   if jnp.dtype(compute_dtype) == jnp.float32:
-    return TuningConfig(chunk=4096, logits=logits, dh_block_t=64, dh_block_h=64, dh_block_v=32,
+    return Config(chunk=4096, logits=logits, dh_block_t=64, dh_block_h=64, dh_block_v=32,
                      dw_block_h=64, dw_block_v=64, dw_block_t=32, num_warps=4, num_stages=3)
-  return TuningConfig(chunk=4096, logits=logits)
+  return Config(chunk=4096, logits=logits)
 
 
-def _params(cfg: TuningConfig, interpret: bool) -> dict:
+def _params(cfg: Config, interpret: bool) -> dict:
   return _common.triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret)
 
 
@@ -220,7 +220,7 @@ def dbias_call(width: int, *, t: int, v: int, interpret: bool):
 def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layout: str,
              temperature, compute_dtype, interpret: bool, vocab_offset: int = 0,
              valid_vocab: int | None = None, chunk: int | None = None,
-             config: TuningConfig | None = None):
+             config: Config | None = None):
   """Gradients of ``sum(g_logp * logp + g_ent * entropy)``.
 
   Args:

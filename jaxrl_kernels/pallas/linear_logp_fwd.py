@@ -48,7 +48,7 @@ def block_h(compute_dtype, interpret: bool) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TuningConfig:
+class Config:
   """Free tiling knobs of the logits-tile kernels: none changes a row's bits (the
   H step, which does, is :func:`block_h`, from ``contract.py``); the defaults
   never depend on T.
@@ -67,17 +67,17 @@ class TuningConfig:
   num_stages: int = 3
 
 
-def default_config(compute_dtype, interpret: bool) -> TuningConfig:
+def default_config(compute_dtype, interpret: bool) -> Config:
   """Tiles by compute dtype and backend only (never by the number of tokens)."""
   if interpret:
     # The interpreter runs programs one after another on the CPU: small tiles.
-    return TuningConfig(block_t=32, group_t=4, merge_block_t=64)
+    return Config(block_t=32, group_t=4, merge_block_t=64)
   if jnp.dtype(compute_dtype) == jnp.float32:
-    return TuningConfig(block_t=64, num_warps=4, num_stages=3)
-  return TuningConfig(block_t=128, num_warps=8, num_stages=3)
+    return Config(block_t=64, num_warps=4, num_stages=3)
+  return Config(block_t=128, num_warps=8, num_stages=3)
 
 
-def compiler_params(cfg: TuningConfig, interpret: bool) -> dict:
+def compiler_params(cfg: Config, interpret: bool) -> dict:
   return _common.triton_compiler_params(cfg.num_warps, cfg.num_stages, interpret)
 
 
@@ -158,7 +158,7 @@ def _partials_kernel(h_ref, w_ref, *refs, t, h, v_local, vocab_offset, n_t, n_v,
 def tile_partials(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
                   targets: jax.Array, *, layout: str, temperature, compute_dtype,
                   interpret: bool, vocab_offset: int = 0, valid_vocab: int | None = None,
-                  config: TuningConfig | None = None):
+                  config: Config | None = None):
   """Per-vocab-tile softmax partials of ``z = (hidden @ W + b) / temperature``.
 
   Args:
@@ -256,7 +256,7 @@ def _merge_kernel(m_ref, s_ref, u_ref, lse_ref, mean_ref, ent_ref, *, t, n, bloc
 
 
 def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array, *, interpret: bool,
-                   config: TuningConfig | None = None):
+                   config: Config | None = None):
   """Merges ``[n_tiles, T]`` partials in ascending tile order.
 
   Returns float32 ``(lse, mean_z, entropy)``, each ``[T]``:

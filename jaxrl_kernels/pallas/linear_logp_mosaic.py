@@ -41,7 +41,7 @@ not a multiple of 64 for ``"hv"`` / 8 for ``"vh"``, fewer than one CTA tile of
 rows or columns, T not a multiple of 8) are zero-padded (a copy); padding
 columns are masked and padding rows dropped, so the bits do not change.
 LM heads in practice (H = 4096, V = 151936, T % 8 = 0) are read in place, and
-so are a decode step's hidden rows with ``MosaicLogpConfig.hidden_in_place`` (the TMA
+so are a decode step's hidden rows with ``Config.hidden_in_place`` (the TMA
 box reads zeros past them). The stored logits keep the rows TMA takes in place
 (``mosaic_loop.stored_rows``: a decode step's ``T < 8``, or a multiple of 8): the stores
 of the CTA tile's padding rows are clipped, so a decode step writes no
@@ -76,7 +76,7 @@ DRAW_PACK = 16  # with a draw: seven statistics per 64-row chunk, in 8 columns
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicLogpConfig:
+class Config:
   """Free knobs: none changes a row's bits (tests/linear_logp/test_linear_logp_mosaic_gpu.py).
 
   Attributes:
@@ -105,14 +105,14 @@ class MosaicLogpConfig:
 
   def __post_init__(self):
     if not isinstance(self.hidden_in_place, bool):
-      raise ValueError(f"MosaicLogpConfig: hidden_in_place must be a bool, got "
+      raise ValueError(f"linear_logp_mosaic.Config: hidden_in_place must be a bool, got "
                        f"{self.hidden_in_place!r}")
     if self.num_wgs not in (1, 2):
-      raise ValueError(f"MosaicLogpConfig: num_wgs must be 1 or 2, got {self.num_wgs!r}")
+      raise ValueError(f"linear_logp_mosaic.Config: num_wgs must be 1 or 2, got {self.num_wgs!r}")
     if (not isinstance(self.tile_k, int) or isinstance(self.tile_k, bool)
         or self.tile_k < TILE_K or self.tile_k % TILE_K):
-      raise ValueError(f"MosaicLogpConfig: tile_k must be a positive multiple of {TILE_K}, "
-                       f"got {self.tile_k!r}")
+      raise ValueError(f"linear_logp_mosaic.Config: tile_k must be a positive multiple of "
+                       f"{TILE_K}, got {self.tile_k!r}")
 
   @property
   def cta_n(self) -> int:
@@ -129,7 +129,7 @@ class MosaicLogpConfig:
 
 
 def decode_config(rows: int, hidden: int, layout: str, *,
-                  draws: bool = False) -> MosaicLogpConfig | None:
+                  draws: bool = False) -> Config | None:
   """The sampler head's config at a decode step's few rows (``rows <= 64``), else None.
 
   64-row CTAs halve the padding rows' tensor-core work and logit stores. H100, V = 151936,
@@ -147,10 +147,10 @@ def decode_config(rows: int, hidden: int, layout: str, *,
   if rows > 64:
     return None
   if layout == "hv" and not draws:
-    return MosaicLogpConfig(tile_m=64, hidden_in_place=True)
+    return Config(tile_m=64, hidden_in_place=True)
   if _common.round_up(hidden, TILE_K) % (2 * TILE_K):
-    return MosaicLogpConfig(tile_m=64)
-  return MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=2 * TILE_K)
+    return Config(tile_m=64)
+  return Config(tile_m=64, num_wgs=1, tile_k=2 * TILE_K)
 
 
 def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None, entropy: bool = True):
@@ -217,7 +217,7 @@ def _unpack(packed, n_tiles: int, t: int, tm: int, count: int = 4):
 
 
 def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: bool,
-            store_logits: bool, stats: bool, valid_vocab: int, cfg: MosaicLogpConfig,
+            store_logits: bool, stats: bool, valid_vocab: int, cfg: Config,
             draws: bool = False, has_targets: bool = False, entropy: bool = True):
   refs = list(refs)
   b_gmem = refs.pop(0) if has_bias else None
@@ -294,8 +294,8 @@ def _kernel(h_gmem, w_gmem, *refs, m, n, k, hv: bool, has_bias: bool, has_temp: 
       epilogue=partials, operands=operands, scratch=scratch)
 
 
-def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
-         stats: bool, draws: bool = False, targets: bool = False) -> MosaicLogpConfig:
+def _fit(cfg: Config, itemsize: int, *, store_logits: bool,
+         stats: bool, draws: bool = False, targets: bool = False) -> Config:
   """Lowers the pipeline depth until the CTA's buffers fit in shared memory."""
   wgs = cfg.num_wgs
   extra = 2 * wgs * VOCAB_TILE * 4  # bias and temperature rows
@@ -308,7 +308,7 @@ def _fit(cfg: MosaicLogpConfig, itemsize: int, *, store_logits: bool,
   steps = mosaic_loop.pipeline_depth(cfg.loop, itemsize, extra, tile_k=cfg.tile_k)
   need = steps * (cfg.loop.cta_tile_m + cfg.loop.cta_tile_n) * cfg.tile_k * itemsize + extra
   if need > mosaic_loop.SMEM_BUDGET:
-    raise ValueError(f"MosaicLogpConfig: {cfg} needs {need} bytes of shared memory at "
+    raise ValueError(f"linear_logp_mosaic.Config: {cfg} needs {need} bytes of shared memory at "
                      f"{steps} pipeline stages (at most {mosaic_loop.SMEM_BUDGET}); take a "
                      f"smaller tile_k, tile_m or num_wgs")
   return dataclasses.replace(cfg, max_concurrent_steps=steps)
@@ -319,9 +319,9 @@ def supported(compute_dtype) -> bool:
   return jnp.dtype(compute_dtype).name in ("bfloat16", "float16")
 
 
-def _no_hidden_in_place(op: str, cfg: MosaicLogpConfig) -> None:
+def _no_hidden_in_place(op: str, cfg: Config) -> None:
   if cfg.hidden_in_place:
-    raise ValueError(f"{op}(mosaic): MosaicLogpConfig.hidden_in_place is for the logits "
+    raise ValueError(f"{op}(mosaic): Config.hidden_in_place is for the logits "
                      f"(head_logits) only; {op} reads its hidden rows padded")
 
 
@@ -353,14 +353,14 @@ def _prepare(hidden, weight, bias, layout: str, compute_dtype, tm: int, cta_n: i
 
 
 def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_run, n_run,
-          store_logits, stats, cfg: MosaicLogpConfig, out_type, draws: bool = False,
+          store_logits, stats, cfg: Config, out_type, draws: bool = False,
           has_targets: bool = False, entropy: bool = True):
   """``extra``: the row operands after the bias and temperature: the rows' target ids
   (``has_targets``), then the draw's two key words (``draws``)."""
   k = hidden.shape[1]
   if k % cfg.tile_k:
-    raise ValueError(f"MosaicLogpConfig: tile_k ({cfg.tile_k}) must divide the hidden size "
-                     f"padded to {TILE_K} columns ({k})")
+    raise ValueError(f"linear_logp_mosaic.Config: tile_k ({cfg.tile_k}) must divide the "
+                     f"hidden size padded to {TILE_K} columns ({k})")
   temp = sp.temperature_operand(temperature)
   kernel = functools.partial(
       _kernel, m=m_run, n=n_run, k=k, hv=layout == "hv", has_bias=bias is not None,
@@ -378,7 +378,7 @@ def _call(hidden, weight, bias, extra, *, layout, temperature, valid_vocab, m_ru
 def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
                   targets: jax.Array, *, layout: str, temperature, compute_dtype,
                   vocab_offset: int = 0, valid_vocab: int | None = None,
-                  config: MosaicLogpConfig | None = None, entropy: bool = True):
+                  config: Config | None = None, entropy: bool = True):
   """:func:`linear_logp_fwd.tile_partials` (same arguments, outputs and meaning) on Hopper.
 
   Args:
@@ -397,7 +397,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   if not supported(compute_dtype):
     raise TypeError(f"linear_logp(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
-  cfg = config or MosaicLogpConfig()
+  cfg = config or Config()
   _no_hidden_in_place("linear_logp", cfg)
   t = hidden2d.shape[0]
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
@@ -422,7 +422,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
 
 def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, layout: str,
            temperature, compute_dtype, return_stats: bool = False,
-           config: MosaicLogpConfig | None = None):
+           config: Config | None = None):
   """Float32 ``[T, V]`` logits ``(h W + b) / temperature``: bitwise the ``z`` that
   :func:`tile_partials` reduces (the same kernel, with a store epilogue).
 
@@ -436,7 +436,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
     raise TypeError(f"head_logits(mosaic): compute dtype must be bfloat16 or float16, got "
                     f"{jnp.dtype(compute_dtype).name}")
   t = hidden2d.shape[0]
-  cfg = config or decode_config(t, hidden2d.shape[1], layout) or MosaicLogpConfig(tile_m=128)
+  cfg = config or decode_config(t, hidden2d.shape[1], layout) or Config(tile_m=128)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)
   cfg = _fit(cfg, jnp.dtype(compute_dtype).itemsize, store_logits=True, stats=return_stats)
@@ -464,7 +464,7 @@ def logits(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None, *, la
 
 def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
                 seed: jax.Array, *, layout: str, temperature, compute_dtype,
-                config: MosaicLogpConfig | None = None):
+                config: Config | None = None):
   """A token per row drawn from ``softmax((h W + b) / temperature)`` in the LM head's
   epilogue, with the per-tile statistics of :func:`logits` (``return_stats``): no logits
   reach memory.
@@ -487,7 +487,7 @@ def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
   # accumulator the registers spill (H100, V = 151936, H = 2048: 1.12 against 0.48 ms at
   # T = 256; 0.71 against 0.33 ms at T = 128).
   cfg = (config or decode_config(t, hidden2d.shape[1], layout, draws=True)
-         or MosaicLogpConfig(tile_m=64))
+         or Config(tile_m=64))
   _no_hidden_in_place("head_draw", cfg)
   v = weight.shape[1] if layout == "hv" else weight.shape[0]
   n_tiles = pl.cdiv(v, VOCAB_TILE)

@@ -30,7 +30,7 @@ _TARGET_PROGRAMS = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceConfig:
+class Config:
   """Free tuning knobs; none of them changes a row's reduction order.
 
   ``block_rows``: rows per program (None: the largest power of two <= 16 that still
@@ -45,7 +45,7 @@ class ReduceConfig:
   num_stages: int = 3
 
 
-def block_rows_for(rows: int, cfg: ReduceConfig) -> int:
+def block_rows_for(rows: int, cfg: Config) -> int:
   if cfg.block_rows is not None:
     return cfg.block_rows
   br = 16
@@ -95,7 +95,7 @@ def _kernel(x_ref, o_ref, *, rows, n, lanes, block_rows, unroll, op):
 
 
 def reduce_rows(x: jax.Array, *, op: str, lanes: int, out_dtype, interpret: bool,
-                config: ReduceConfig | None = None) -> jax.Array:
+                config: Config | None = None) -> jax.Array:
   """``out[r] = sum_c x[r, c]`` (or the product) in the fixed lane order.
 
   Args:
@@ -104,10 +104,10 @@ def reduce_rows(x: jax.Array, *, op: str, lanes: int, out_dtype, interpret: bool
     lanes: the contract's lane width (a power of two).
     out_dtype: dtype of the ``[R]`` result; the state is float32.
     interpret: run the Pallas interpreter (CPU) instead of compiling with Triton.
-    config: tuning knobs (:class:`ReduceConfig`); every config gives the same bits.
+    config: tuning knobs (:class:`Config`); every config gives the same bits.
   """
   rows, n = x.shape
-  cfg = config or ReduceConfig()
+  cfg = config or Config()
   if cfg.unroll < 1:
     raise ValueError(f"reduce_rows: config.unroll must be >= 1, got {cfg.unroll}")
   br = block_rows_for(rows, cfg)

@@ -174,13 +174,13 @@ def test_without_hopper_gpu_is_an_unavailable_error_naming_it():
 
 
 def test_config_checks_its_knobs():
-  assert gemm_ffi.CudaGemmConfig() == gemm_ffi.CudaGemmConfig(None, 0, "heuristic")
+  assert gemm_ffi.Config() == gemm_ffi.Config(None, 0, "heuristic")
   with pytest.raises(ValueError, match=r"tile must be one of .*got 'huge'"):
-    gemm_ffi.CudaGemmConfig(tile="huge")
+    gemm_ffi.Config(tile="huge")
   with pytest.raises(ValueError, match=r"swizzle must be one of \(0, 1, 2, 4, 8\), got 3"):
-    gemm_ffi.CudaGemmConfig(swizzle=3)
+    gemm_ffi.Config(swizzle=3)
   with pytest.raises(ValueError, match=r"raster must be one of .*got 'h'"):
-    gemm_ffi.CudaGemmConfig(raster="h")
+    gemm_ffi.Config(raster="h")
 
 
 def test_cuda_sources_read_no_environment_variable():
@@ -421,7 +421,7 @@ def test_every_tile_gives_the_same_bits(lhs_t, rhs_t):
   for tile, swizzle, raster in (("large", 1, "heuristic"), ("small", 1, "heuristic"),
                                 ("medium", 1, "heuristic"), ("large", 8, "m"), ("small", 2, "n"),
                                 ("medium", 2, "m"), ("medium", 8, "n")):
-    cfg = gemm_ffi.CudaGemmConfig(tile=tile, swizzle=swizzle, raster=raster)
+    cfg = gemm_ffi.Config(tile=tile, swizzle=swizzle, raster=raster)
     f = jax.jit(lambda a, b, cfg=cfg: _mm(a, b, lhs_t, rhs_t, config=cfg))
     outs[(tile, swizzle, raster)] = f(a, b)
   first = next(iter(outs.values()))

@@ -49,33 +49,33 @@ def test_every_mosaic_config_gives_the_same_bits():
   a = wide_rows(jax.random.key(7), m, k, jnp.bfloat16)
   b = jax.random.normal(jax.random.key(8), (k, n)).astype(jnp.bfloat16)
   configs = [
-      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n"),
-      gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m", grid_minor="m"),
-      gm.MosaicConfig(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="m",
+      gm.Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n"),
+      gm.Config(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m", grid_minor="m"),
+      gm.Config(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split="m",
                       grid_tile_width=8),
-      gm.MosaicConfig(tile_m=128, tile_n=64, num_compute_wgs=2, wg_split="n"),
-      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+      gm.Config(tile_m=128, tile_n=64, num_compute_wgs=2, wg_split="n"),
+      gm.Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
-      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="n",
+      gm.Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="n",
                       max_concurrent_steps=3),
-      gm.MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
+      gm.Config(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
                       max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
       # The decode tiles: 64 wide, and 128 wide past one wave of 64-wide ones.
-      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
+      gm.Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=8),
-      gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
+      gm.Config(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=4),
       # Narrow decode tiles: A's K tile in the weight tile's 64- and 32-byte swizzles.
-      gm.MosaicConfig(tile_m=64, tile_n=32, num_compute_wgs=1, wg_split="n",
+      gm.Config(tile_m=64, tile_n=32, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=12),
-      gm.MosaicConfig(tile_m=64, tile_n=16, num_compute_wgs=1, wg_split="n",
+      gm.Config(tile_m=64, tile_n=16, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=16),
       # Wider K steps: more k16 instructions between waits, the same ones in the same order.
-      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
+      gm.Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=6, tile_k=128),
-      gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
+      gm.Config(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
                       max_concurrent_steps=2, tile_k=256),
-      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+      gm.Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=2, tile_k=128),
       # The tiles of a step of a few hundred rows (gm.mid_config).
       *(cfg for cfg, _ in gm.MID_TILES),
@@ -88,7 +88,7 @@ def test_every_mosaic_config_gives_the_same_bits():
   bt = b.T
   t64, t128 = (bits(gm.matmul(a, bt, lhs_transposed=False, rhs_transposed=True,
                               out_dtype=jnp.bfloat16,
-                              config=gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2,
+                              config=gm.Config(tile_m=64, tile_n=128, num_compute_wgs=2,
                                                      wg_split="n", tile_k=tk)))
                for tk in (64, 128))
   assert np.array_equal(t128, t64), "a 128-column K step changed the [N, K] weight's bits"
@@ -104,12 +104,12 @@ def test_weight_gradient_configs_give_the_same_bits():
   a = jax.random.normal(jax.random.key(9), (t, m)).astype(jnp.bfloat16)
   g = jax.random.normal(jax.random.key(10), (t, n)).astype(jnp.bfloat16)
   configs = [
-      gm.MosaicConfig(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
+      gm.Config(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
                       max_concurrent_steps=4, grid_minor="m", grid_tile_width=8),
-      gm.MosaicConfig(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
+      gm.Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=3, grid_minor="m", grid_tile_width=8),
-      gm.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n"),
-      gm.MosaicConfig(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
+      gm.Config(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n"),
+      gm.Config(tile_m=64, tile_n=128, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=3, tile_k=128),
   ]
   outs = [np.asarray(gm.matmul(a, g, lhs_transposed=True, rhs_transposed=False,

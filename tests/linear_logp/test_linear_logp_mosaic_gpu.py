@@ -133,12 +133,12 @@ def test_tile_m_and_walk_keep_the_bits(layout):
   w = _weight(layout)
   kw = dict(layout=layout, temperature=1.0, compute_dtype=jnp.bfloat16)
   ref = lm.tile_partials(x, w, None, tg, **kw)
-  for cfg in (lm.MosaicLogpConfig(tile_m=64), lm.MosaicLogpConfig(grid_minor="n"),
-              lm.MosaicLogpConfig(tile_m=64, max_concurrent_steps=2, grid_tile_width=1),
-              lm.MosaicLogpConfig(num_wgs=1), lm.MosaicLogpConfig(tile_m=64, num_wgs=1),
-              lm.MosaicLogpConfig(tile_m=64, tile_k=128),
-              lm.MosaicLogpConfig(num_wgs=1, tile_k=128),
-              lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128, max_concurrent_steps=8)):
+  for cfg in (lm.Config(tile_m=64), lm.Config(grid_minor="n"),
+              lm.Config(tile_m=64, max_concurrent_steps=2, grid_tile_width=1),
+              lm.Config(num_wgs=1), lm.Config(tile_m=64, num_wgs=1),
+              lm.Config(tile_m=64, tile_k=128),
+              lm.Config(num_wgs=1, tile_k=128),
+              lm.Config(tile_m=64, num_wgs=1, tile_k=128, max_concurrent_steps=8)):
     got = lm.tile_partials(x, w, None, tg, config=cfg, **kw)
     for name, a, b in zip("msuz", got, ref):
       assert_bitwise_equal(a, b, f"{name} with {cfg}")
@@ -153,11 +153,11 @@ def test_logits_of_few_rows_keep_the_bits(layout):
   w = _weight(layout)
   kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16, return_stats=True)
   z, (m, s, u) = lm.logits(x, w, None, **kw)
-  one = lm.MosaicLogpConfig(tile_m=64, num_wgs=1)  # CTAs of one vocab tile: the same bits
-  k128 = lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)
+  one = lm.Config(tile_m=64, num_wgs=1)  # CTAs of one vocab tile: the same bits
+  k128 = lm.Config(tile_m=64, num_wgs=1, tile_k=128)
   # Hidden rows read in place (TMA reads zeros past them) or, at 13 rows, padded.
-  in_place = lm.MosaicLogpConfig(tile_m=64, hidden_in_place=True)
-  in_place_k128 = lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128, hidden_in_place=True)
+  in_place = lm.Config(tile_m=64, hidden_in_place=True)
+  in_place_k128 = lm.Config(tile_m=64, num_wgs=1, tile_k=128, hidden_in_place=True)
   for rows, config in ((1, None), (8, None), (13, None), (40, None), (64, None), (1, one),
                        (64, one), (1, k128), (40, k128), (1, in_place), (8, in_place),
                        (13, in_place), (3, in_place_k128), (40, in_place_k128)):
@@ -259,14 +259,14 @@ def test_draw_in_the_head_kernel(t, layout, v, masked):
   kw = dict(layout=layout, temperature=0.7, compute_dtype=jnp.bfloat16)
   tokens, tz, stats = lm.logits_draw(x, w, b, seed, **kw)
   # The CTA's row count is a free knob: 128-row CTAs draw the same bits.
-  wide = lm.logits_draw(x, w, b, seed, **kw, config=lm.MosaicLogpConfig(tile_m=128))
+  wide = lm.logits_draw(x, w, b, seed, **kw, config=lm.Config(tile_m=128))
   for got, want, name in zip(jax.tree.leaves(wide), jax.tree.leaves((tokens, tz, stats)),
                              ("tokens", "token logits", "m", "s", "u"), strict=True):
     assert_bitwise_equal(got, want, f"{name} with 128-row CTAs")
   # So are the CTA's warpgroup count (CTAs of one vocab tile) and the hidden columns per
   # pipeline step: the same bits.
-  for cfg in (lm.MosaicLogpConfig(tile_m=64, num_wgs=1),
-              lm.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)):
+  for cfg in (lm.Config(tile_m=64, num_wgs=1),
+              lm.Config(tile_m=64, num_wgs=1, tile_k=128)):
     one = lm.logits_draw(x, w, b, seed, **kw, config=cfg)
     for got, want, name in zip(jax.tree.leaves(one), jax.tree.leaves((tokens, tz, stats)),
                                ("tokens", "token logits", "m", "s", "u"), strict=True):

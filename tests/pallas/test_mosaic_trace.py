@@ -85,11 +85,11 @@ def _head_calls(t, h, config=None, v=3001):
 
 @pytest.mark.parametrize("t", [1, 64, 300])
 def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
-  """``MosaicLogpConfig(num_wgs=1)``: CTAs of one vocab tile (one compute warpgroup) run the
+  """``Config(num_wgs=1)``: CTAs of one vocab tile (one compute warpgroup) run the
   same main loop and epilogue for the fused partials, the logits with statistics and the
   draw, and build CUDA kernels; anything but 1 or 2 warpgroups is refused by name. Bits:
   tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
-  cfg = linear_logp_mosaic.MosaicLogpConfig(tile_m=64 if t <= 64 else 128, num_wgs=1)
+  cfg = linear_logp_mosaic.Config(tile_m=64 if t <= 64 else 128, num_wgs=1)
   assert cfg.cta_n == linear_logp_mosaic.VOCAB_TILE
   for fn, args in _head_calls(t, 512, cfg).values():
     (loop,) = _traced_loops(fn, *args)
@@ -98,7 +98,7 @@ def test_lm_head_one_warpgroup_ctas_lower_for_cuda(t):
     assert "mosaic_gpu" in exported.mlir_module()
   for bad in (0, 3):
     with pytest.raises(ValueError, match="num_wgs must be 1 or 2"):
-      linear_logp_mosaic.MosaicLogpConfig(num_wgs=bad)
+      linear_logp_mosaic.Config(num_wgs=bad)
 
 
 def test_lm_head_decode_configs():
@@ -172,9 +172,9 @@ def test_head_decode_reads_hidden_in_place(t, in_place):
   assert not linear_logp_mosaic.decode_config(t, 512, "vh").hidden_in_place
   assert linear_logp_mosaic.decode_config(65, 512, "hv") is None
   with pytest.raises(ValueError, match="hidden_in_place must be a bool"):
-    linear_logp_mosaic.MosaicLogpConfig(hidden_in_place=1)
+    linear_logp_mosaic.Config(hidden_in_place=1)
   # The partials and the draw read their rows padded: the knob is refused by name there.
-  in_place = linear_logp_mosaic.MosaicLogpConfig(tile_m=64, hidden_in_place=True)
+  in_place = linear_logp_mosaic.Config(tile_m=64, hidden_in_place=True)
   calls = _head_calls(t, 512, in_place)
   for name in ("partials", "draw"):
     fn, args = calls[name]
@@ -184,11 +184,11 @@ def test_head_decode_reads_hidden_in_place(t, in_place):
 
 @pytest.mark.parametrize("t,tile_k,wgs", [(1, 128, 1), (64, 128, 1), (300, 128, 1)])
 def test_lm_head_wide_k_steps_lower_for_cuda(t, tile_k, wgs):
-  """``MosaicLogpConfig(tile_k=...)``: the LM head's main loop steps that many hidden columns
+  """``Config(tile_k=...)``: the LM head's main loop steps that many hidden columns
   (the loop traced with it) for the partials, the logits and the draw, and builds CUDA
   kernels; a step off the contract's 64 columns, or one that does not divide the padded H,
   is refused by name. Bits: tests/linear_logp/test_linear_logp_mosaic_gpu.py."""
-  cfg = linear_logp_mosaic.MosaicLogpConfig(tile_m=64 if t <= 64 else 128, num_wgs=wgs,
+  cfg = linear_logp_mosaic.Config(tile_m=64 if t <= 64 else 128, num_wgs=wgs,
                                             tile_k=tile_k)
   for fn, args in _head_calls(t, 512, cfg).values():
     (loop,) = _traced_loops(fn, *args)
@@ -197,13 +197,13 @@ def test_lm_head_wide_k_steps_lower_for_cuda(t, tile_k, wgs):
     assert "mosaic_gpu" in exported.mlir_module()
   for bad in (0, 32, 96, 64.0, True):
     with pytest.raises(ValueError, match="tile_k must be a positive multiple of 64"):
-      linear_logp_mosaic.MosaicLogpConfig(tile_k=bad)
-  odd = linear_logp_mosaic.MosaicLogpConfig(tile_m=64, num_wgs=1, tile_k=128)  # H = 320
+      linear_logp_mosaic.Config(tile_k=bad)
+  odd = linear_logp_mosaic.Config(tile_m=64, num_wgs=1, tile_k=128)  # H = 320
   with pytest.raises(ValueError, match=r"tile_k \(128\) must divide the hidden size"):
     linear_logp_mosaic.logits(jnp.zeros((4, 320), jnp.bfloat16), jnp.zeros((320, 3001),
                               jnp.bfloat16), None, layout="hv", temperature=1.0,
                               compute_dtype=jnp.bfloat16, config=odd)
-  big = linear_logp_mosaic.MosaicLogpConfig(tile_m=64, tile_k=128)  # 2 x 80 KiB + the logits
+  big = linear_logp_mosaic.Config(tile_m=64, tile_k=128)  # 2 x 80 KiB + the logits
   with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
     linear_logp_mosaic.logits(jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((512, 3001),
                               jnp.bfloat16), None, layout="hv", temperature=1.0,
@@ -310,7 +310,7 @@ def test_k_steps_off_the_contract_tile_are_refused_by_name():
   transposed lhs are refused, each naming what is wrong."""
   a, b = jnp.zeros((64, 512), jnp.bfloat16), jnp.zeros((512, 256), jnp.bfloat16)
   kw = dict(lhs_transposed=False, rhs_transposed=False, out_dtype=jnp.bfloat16)
-  cfg = gemm_mosaic.MosaicConfig(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n")
+  cfg = gemm_mosaic.Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n")
   with pytest.raises(ValueError, match=r"tile_k \(96\) must be a positive multiple of 64"):
     dataclasses.replace(cfg, tile_k=96)
   with pytest.raises(ValueError, match="K=512 is not a multiple of the config's K step 384"):

@@ -117,7 +117,7 @@ def test_every_kernel_config_gives_the_xla_form_bits(op):
   want = fixed_order.reduce_rows(x, op=op, lanes=REDUCE_LANES, out_dtype=x.dtype)
   for cfg in _CONFIGS if op == "sum" else _CONFIGS[:2]:
     got = reduce_triton.reduce_rows(x, op=op, lanes=REDUCE_LANES, out_dtype=x.dtype,
-                                    interpret=True, config=reduce_triton.ReduceConfig(**cfg))
+                                    interpret=True, config=reduce_triton.Config(**cfg))
     assert_bitwise_equal(got, want, f"{op} {cfg}")
 
 
@@ -127,14 +127,14 @@ def test_kernel_config_errors():
   x = jnp.ones((4, 8))
   with pytest.raises(ValueError, match="unroll must be >= 1, got 0"):
     reduce_triton.reduce_rows(x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype, interpret=True,
-                              config=reduce_triton.ReduceConfig(unroll=0))
+                              config=reduce_triton.Config(unroll=0))
   with pytest.raises(ValueError, match="block_rows must be a power of two, got 3"):
     reduce_triton.reduce_rows(x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype, interpret=True,
-                              config=reduce_triton.ReduceConfig(block_rows=3))
+                              config=reduce_triton.Config(block_rows=3))
   # a few long rows spread over many programs; many rows take 16 per program
-  assert reduce_triton.block_rows_for(2048, reduce_triton.ReduceConfig()) == 4
-  assert reduce_triton.block_rows_for(64, reduce_triton.ReduceConfig()) == 1
-  assert reduce_triton.block_rows_for(32768, reduce_triton.ReduceConfig()) == 16
+  assert reduce_triton.block_rows_for(2048, reduce_triton.Config()) == 4
+  assert reduce_triton.block_rows_for(64, reduce_triton.Config()) == 1
+  assert reduce_triton.block_rows_for(32768, reduce_triton.Config()) == 16
 
 
 @pytest.mark.parametrize("op", ["sum", "prod"])

@@ -36,7 +36,7 @@ def test_triton_configs_give_the_xla_form_bits_gpu():
         x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype))(x))
     for cfg in (dict(block_rows=1, unroll=1), dict(), dict(block_rows=16, unroll=4),
                 dict(num_stages=1, num_warps=8)):
-      c = reduce_triton.ReduceConfig(**cfg)
+      c = reduce_triton.Config(**cfg)
       got = jax.jit(lambda x, c=c: reduce_triton.reduce_rows(
           x, op="sum", lanes=REDUCE_LANES, out_dtype=x.dtype, interpret=False, config=c))(x)
       np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32),
