@@ -114,8 +114,9 @@ class DecoderConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim"):
       value = getattr(self, name)
-      if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"DecoderConfig: {name} must be an int >= 1, got {value!r}")
+      if (not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1
+          or value >= 2**31):
+        raise ValueError(f"DecoderConfig: {name} must be an int in [1, 2**31), got {value!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"DecoderConfig: num_attention_heads={self.num_attention_heads} must be "
                        f"a multiple of num_key_value_heads={self.num_key_value_heads}")

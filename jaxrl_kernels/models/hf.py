@@ -55,6 +55,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 #: The shard names save_pretrained writes (transformers'); only files with these names that
 #: a previous index listed, and ``model.safetensors``, are ever removed.
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -237,6 +238,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
       raise ValueError(f"from_pretrained: tensor {name} in {files[name]} has dtype "
                        f"{x.dtype.name}; weights must be floating point ({_FLOAT_DTYPES} or "
                        f"float64), integer and bool tensors are not cast")
+  layers = {int(m.group(1)) for m in map(_LAYER.match, tensors) if m}
+  if cfg.num_hidden_layers > len(layers) + 1:  # checked before building that many layers
+    raise ValueError(f"from_pretrained: {cfg_path} has num_hidden_layers="
+                     f"{cfg.num_hidden_layers} but the tensors in {path} hold {len(layers)} "
+                     f"layers")
   auto = _checkpoint_dtype(raw, cfg_path) if AUTO in (dt_arg, pdt_arg) else None
   if pdt_arg is None:
     embed = tensors.get("model.embed_tokens.weight")
