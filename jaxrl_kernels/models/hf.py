@@ -239,7 +239,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
                        f"{x.dtype.name}; weights must be floating point ({_FLOAT_DTYPES} or "
                        f"float64), integer and bool tensors are not cast")
   layers = {int(m.group(1)) for m in map(_LAYER.match, tensors) if m}
-  if cfg.num_hidden_layers > len(layers) + 1:  # checked before building that many layers
+  if cfg.num_hidden_layers > len(layers):  # checked before building that many layers
     raise ValueError(f"from_pretrained: {cfg_path} has num_hidden_layers="
                      f"{cfg.num_hidden_layers} but the tensors in {path} hold {len(layers)} "
                      f"layers")
