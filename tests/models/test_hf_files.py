@@ -527,7 +527,7 @@ def test_fuzz_corrupted_folders_raise_named_errors(saved, data, sharded, target,
     COUNTS["loaded"] += 1
 
 
-@fuzz(6)
+@fuzz(4)
 @given(arch=st.sampled_from(["llama", "qwen2", "qwen3"]),
        dtype=st.sampled_from(["float32", "bfloat16"]),
        shard_bytes=st.sampled_from([2**30, SHARD_BYTES]), seed=st.integers(0, 2**16))
