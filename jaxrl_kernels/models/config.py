@@ -13,12 +13,59 @@ import dataclasses
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
+
+
+#: The dtype strings :func:`parse_dtype` accepts, and the dtype each one means.
+DTYPE_NAMES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32), "fp32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16), "bf16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16), "fp16": np.dtype(np.float16),
+}
+AUTO = "auto"
+
+
+def parse_dtype(name: str, value, *, allow_auto: bool = False) -> np.dtype | str:
+  """The model dtype ``value`` means: ``"float32"``/``"fp32"``, ``"bfloat16"``/``"bf16"``,
+  ``"float16"``/``"fp16"``, or a numpy / ``jax.numpy`` dtype (or scalar type) of one of
+  those three; with ``allow_auto``, also ``"auto"``, returned as the string ``"auto"`` (the
+  caller resolves it, e.g. to a checkpoint's ``torch_dtype``).
+
+  Args:
+    name: the argument's name, used in the error (``"from_pretrained: dtype"``,
+      ``"--model-dtype"``).
+    value: the string or dtype to parse.
+    allow_auto: accept ``"auto"``.
+
+  Returns:
+    A ``numpy.dtype`` (``float32``, ``bfloat16`` or ``float16``), or ``"auto"``.
+
+  Raises:
+    ValueError: naming ``name``, the accepted values and ``value``.
+  """
+  accepted = (*DTYPE_NAMES, *((AUTO,) if allow_auto else ()))
+  if isinstance(value, str):
+    if allow_auto and value == AUTO:
+      return AUTO
+    if value in DTYPE_NAMES:
+      return DTYPE_NAMES[value]
+    raise ValueError(f"{name} must be one of {accepted} (or a numpy/jax.numpy dtype of one "
+                     f"of them), got {value!r}")
+  try:
+    dt = np.dtype(value) if value is not None and not isinstance(value, bool) else None
+  except TypeError:
+    dt = None
+  if dt is None or dt not in DTYPE_NAMES.values():
+    got = value if dt is None else dt.name
+    raise ValueError(f"{name} must be one of {accepted} (or a numpy/jax.numpy dtype of one "
+                     f"of them), got {got!r}")
+  return dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,16 +114,33 @@ class DecoderConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim"):
       value = getattr(self, name)
-      if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"DecoderConfig: {name} must be an int >= 1, got {value!r}")
+      if (not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1
+          or value >= 2**31):
+        raise ValueError(f"DecoderConfig: {name} must be an int in [1, 2**31), got {value!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"DecoderConfig: num_attention_heads={self.num_attention_heads} must be "
                        f"a multiple of num_key_value_heads={self.num_key_value_heads}")
     if self.head_dim % 2:
       raise ValueError(f"DecoderConfig: head_dim must be even for rotary, got {self.head_dim}")
-    if self.rope_scaling is not None and self.rope_scaling[0] != "llama3":
-      raise ValueError(f"DecoderConfig: rope_scaling must be None or ('llama3', ...), got "
-                       f"{self.rope_scaling!r}")
+    if not _positive_float32(self.rope_theta):
+      raise ValueError(f"DecoderConfig: rope_theta must be a finite number > 0 (in float32), "
+                       f"got {self.rope_theta!r}")
+    eps = self.rms_norm_eps
+    if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
+      raise ValueError(f"DecoderConfig: rms_norm_eps must be a finite number >= 0, got {eps!r}")
+    if self.rope_scaling is not None:
+      rs = self.rope_scaling
+      if not isinstance(rs, tuple) or len(rs) != 5 or rs[0] != "llama3":
+        raise ValueError(f"DecoderConfig: rope_scaling must be None or ('llama3', factor, "
+                         f"low_freq_factor, high_freq_factor, "
+                         f"original_max_position_embeddings), got {rs!r}")
+      _, factor, low, high, old_len = rs
+      if not (_positive_float32(factor) and _positive_float32(low) and _positive_float32(high)
+              and high > low and isinstance(old_len, int | np.integer) and old_len >= 1):
+        raise ValueError(f"DecoderConfig: rope_scaling ('llama3') needs factor, "
+                         f"low_freq_factor, high_freq_factor finite > 0 with high_freq_factor > "
+                         f"low_freq_factor, and original_max_position_embeddings an int >= 1; "
+                         f"got {rs!r}")
 
   @property
   def q_dim(self) -> int:
@@ -147,69 +211,154 @@ class DecoderConfig:
     return out
 
 
-def _get(d: dict, key: str, default=None, *, required: bool = False):
-  if key not in d or d[key] is None:
-    if required:
-      raise ValueError(f"config.json: the required key {key!r} is missing")
-    return default
-  return d[key]
+def _is_real(x) -> bool:
+  return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
 
 
-def from_hf_dict(d: dict[str, Any]) -> DecoderConfig:
+def _positive_float32(x) -> bool:
+  """``x`` is a real number > 0 that stays finite and nonzero in float32 (the rotary tables'
+  dtype)."""
+  if not _is_real(x) or not math.isfinite(x) or x <= 0:
+    return False
+  with np.errstate(over="ignore", under="ignore"):
+    x32 = np.float32(x)
+  return bool(np.isfinite(x32) and x32 > 0)
+
+
+#: ``transformers``' defaults for keys a ``config.json`` may leave out (LlamaConfig,
+#: Qwen2Config, Qwen3Config). ``None`` for ``head_dim`` / ``num_key_value_heads``:
+#: ``hidden_size // num_attention_heads`` / ``num_attention_heads``. Qwen2/Qwen3 fill
+#: ``num_key_value_heads`` from ``num_attention_heads`` only when the key is null; absent, it
+#: is the class default 32.
+_DEFAULTS = {
+    "llama": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048),
+    "qwen2": dict(head_dim=None, num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768),
+}
+
+
+class _Reader:
+  """Typed reads of a ``config.json`` dictionary; errors name the source and the key."""
+
+  def __init__(self, d: dict, source: str):
+    self.d, self.source = d, source
+
+  def fail(self, key: str, expected: str, value) -> ValueError:
+    return ValueError(f"{self.source}: {key} must be {expected}, got {value!r}")
+
+  def int(self, key: str, default=None, *, required: bool = False, d: dict | None = None,
+          null_default: bool = True):
+    d = self.d if d is None else d
+    if key not in d or (d[key] is None and null_default):
+      if required:
+        raise ValueError(f"{self.source}: the required key {key!r} is missing")
+      return default
+    v = d[key]
+    if isinstance(v, float) and v.is_integer():
+      v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+      raise self.fail(key, "an int", v)
+    return v
+
+  def float(self, key: str, default, *, d: dict | None = None, null_default: bool = True):
+    d = self.d if d is None else d
+    if key not in d or (d[key] is None and null_default):
+      return default
+    v = d[key]
+    if not _is_real(v):
+      raise self.fail(key, "a number", v)
+    return float(v)
+
+  def bool(self, key: str, default: bool) -> bool:
+    v = self.d.get(key, default)
+    if v is None:
+      return default
+    if not isinstance(v, bool):
+      raise self.fail(key, "true or false", v)
+    return v
+
+
+def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderConfig:
   """A :class:`DecoderConfig` from a ``config.json`` dictionary.
 
-  Refused with a ``ValueError`` naming the key: an unknown ``model_type``;
-  ``hidden_act`` other than ``silu``; sliding-window attention
+  Keys left out take ``transformers``' defaults for the model type (``head_dim``: 128 for
+  Qwen3, ``hidden_size // num_attention_heads`` otherwise; ``num_key_value_heads``:
+  ``num_attention_heads`` for Llama or when null, 32 for Qwen2/Qwen3 when absent;
+  ``rope_theta``: 10000; ``rms_norm_eps``: 1e-6).
+
+  Refused with a ``ValueError`` naming ``source`` and the key: a dictionary that is not a
+  JSON object; a value of the wrong type (``rope_theta: null``, ``vocab_size: "7"``); an
+  unknown ``model_type``; ``hidden_act`` other than ``silu``; sliding-window attention
   (``use_sliding_window`` true or a ``layer_types`` entry other than
   ``full_attention``); ``rope_scaling`` / ``rope_parameters`` of a type other
   than ``default`` or ``llama3`` (or ``llama3`` on a non-Llama model);
   ``attention_dropout`` > 0; ``mlp_bias`` on Qwen; ``attention_bias`` on Qwen3;
-  partial rotary (``partial_rotary_factor`` != 1).
+  partial rotary (``partial_rotary_factor`` != 1); and what :class:`DecoderConfig`
+  refuses (``rope_theta <= 0`` or not finite, sizes < 1, ...).
   """
+  if not isinstance(d, dict):
+    raise ValueError(f"{source}: must hold a JSON object, got a {type(d).__name__}")
+  r = _Reader(d, source)
   model_type = d.get("model_type")
   if model_type not in MODEL_TYPES:
-    raise ValueError(f"config.json: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    raise ValueError(f"{source}: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
   act = d.get("hidden_act", "silu")
   if act != "silu":
-    raise ValueError(f"config.json: hidden_act must be 'silu', got {act!r}")
-  if d.get("use_sliding_window"):
-    raise ValueError("config.json: use_sliding_window=true (sliding-window attention) is not "
+    raise ValueError(f"{source}: hidden_act must be 'silu', got {act!r}")
+  if r.bool("use_sliding_window", False):
+    raise ValueError(f"{source}: use_sliding_window=true (sliding-window attention) is not "
                      "supported")
   layer_types = d.get("layer_types")
+  if layer_types is not None and not isinstance(layer_types, list):
+    raise r.fail("layer_types", "a list", layer_types)
   if layer_types and any(t != "full_attention" for t in layer_types):
-    raise ValueError(f"config.json: layer_types must all be 'full_attention', got "
-                     f"{sorted(set(layer_types))}")
-  if float(d.get("attention_dropout") or 0.0) != 0.0:
-    raise ValueError(f"config.json: attention_dropout must be 0, got {d['attention_dropout']}")
-  if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
-    raise ValueError(f"config.json: partial_rotary_factor must be 1, got "
+    raise ValueError(f"{source}: layer_types must all be 'full_attention', got "
+                     f"{sorted({str(t) for t in layer_types})}")
+  if r.float("attention_dropout", 0.0) != 0.0:
+    raise ValueError(f"{source}: attention_dropout must be 0, got {d['attention_dropout']}")
+  if r.float("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError(f"{source}: partial_rotary_factor must be 1, got "
                      f"{d['partial_rotary_factor']}")
   # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters.
-  rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+  rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+  rope = d.get(rope_key) or {}
   if not isinstance(rope, dict):
-    raise ValueError(f"config.json: rope_scaling must be an object or null, got {rope!r}")
+    raise r.fail(rope_key, "an object or null", rope)
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope_type not in ROPE_TYPES or (rope_type == "llama3" and model_type != "llama"):
-    raise ValueError(f"config.json: rope type {rope_type!r} is not supported for "
+    raise ValueError(f"{source}: rope type {rope_type!r} is not supported for "
                      f"{model_type!r} (supported: 'default', and 'llama3' for llama)")
-  theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+  # A null rope_theta is refused (transformers fails on it too), never read as the default.
+  if "rope_theta" in rope:
+    theta = r.float("rope_theta", None, d=rope, null_default=False)
+  else:
+    theta = r.float("rope_theta", 10000.0, null_default=False)
+  if theta is None or not _positive_float32(theta):
+    raise r.fail("rope_theta", "a finite number > 0 (in float32)", theta)
   scaling = None
   if rope_type == "llama3":
-    try:
-      scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                 float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-    except KeyError as e:
-      raise ValueError(f"config.json: rope_scaling of type 'llama3' needs {e.args[0]!r}") from None
-  attention_bias = bool(d.get("attention_bias", False))
-  mlp_bias = bool(d.get("mlp_bias", False))
+    keys = ("factor", "low_freq_factor", "high_freq_factor")
+    for key in (*keys, "original_max_position_embeddings"):
+      if rope.get(key) is None:
+        raise ValueError(f"{source}: {rope_key} of type 'llama3' needs {key!r}")
+    scaling = ("llama3", *(r.float(k, None, d=rope) for k in keys),
+               r.int("original_max_position_embeddings", d=rope))
+  attention_bias = r.bool("attention_bias", False)
+  mlp_bias = r.bool("mlp_bias", False)
   if model_type == "qwen2":
     attention_bias = True  # Qwen2 always has q/k/v biases (no config key)
   if model_type != "llama" and mlp_bias:
-    raise ValueError(f"config.json: mlp_bias=true is not supported for {model_type!r}")
+    raise ValueError(f"{source}: mlp_bias=true is not supported for {model_type!r}")
   if model_type == "qwen3" and attention_bias:
-    raise ValueError("config.json: attention_bias=true is not supported for 'qwen3'")
-  heads = int(_get(d, "num_attention_heads", required=True))
-  hidden = int(_get(d, "hidden_size", required=True))
+    raise ValueError(f"{source}: attention_bias=true is not supported for 'qwen3'")
+  defaults = _DEFAULTS[model_type]
+  heads = r.int("num_attention_heads", required=True)
+  hidden = r.int("hidden_size", required=True)
+  kv_default = defaults["num_key_value_heads"]
+  if "num_key_value_heads" in d and d["num_key_value_heads"] is None:
+    kv_default = None
+  kv_heads = r.int("num_key_value_heads", kv_default)
+  head_dim = r.int("head_dim", defaults["head_dim"])
   known = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
            "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
@@ -218,22 +367,26 @@ def from_hf_dict(d: dict[str, Any]) -> DecoderConfig:
            # the storage dtype: save_pretrained writes the model's own
            "torch_dtype", "dtype"}
   extra = tuple(sorted((k, v) for k, v in d.items() if k not in known))
-  return DecoderConfig(
-      model_type=model_type,
-      vocab_size=int(_get(d, "vocab_size", required=True)),
-      hidden_size=hidden,
-      intermediate_size=int(_get(d, "intermediate_size", required=True)),
-      num_hidden_layers=int(_get(d, "num_hidden_layers", required=True)),
-      num_attention_heads=heads,
-      num_key_value_heads=int(_get(d, "num_key_value_heads", heads)),
-      head_dim=int(_get(d, "head_dim", hidden // heads)),
-      rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-      rope_theta=theta, rope_scaling=scaling, attention_bias=attention_bias,
-      mlp_bias=mlp_bias, qk_norm=model_type == "qwen3",
-      # transformers' default for all three architectures when the key is absent.
-      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-      max_position_embeddings=int(_get(d, "max_position_embeddings", 32768)),
-      extra=_freeze(extra))
+  try:
+    return DecoderConfig(
+        model_type=model_type,
+        vocab_size=r.int("vocab_size", required=True),
+        hidden_size=hidden,
+        intermediate_size=r.int("intermediate_size", required=True),
+        num_hidden_layers=r.int("num_hidden_layers", required=True),
+        num_attention_heads=heads,
+        num_key_value_heads=heads if kv_heads is None else kv_heads,
+        head_dim=hidden // heads if head_dim is None and heads > 0 else head_dim or 0,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=attention_bias,
+        mlp_bias=mlp_bias, qk_norm=model_type == "qwen3",
+        # transformers' default for all three architectures when the key is absent.
+        tie_word_embeddings=r.bool("tie_word_embeddings", False),
+        max_position_embeddings=r.int("max_position_embeddings",
+                                      defaults["max_position_embeddings"]),
+        extra=_freeze(extra))
+  except ValueError as e:
+    raise ValueError(f"{source}: {e}") from None
 
 
 def _freeze(x):

@@ -18,16 +18,23 @@ way out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import struct
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_kernels.models.config import DecoderConfig, config, from_hf_dict
+from jaxrl_kernels.models.config import (
+  AUTO,
+  DecoderConfig,
+  config,
+  from_hf_dict,
+  parse_dtype,
+)
 from jaxrl_kernels.models.decoder import (
   DecoderLM,
   pack_gate_up,
@@ -35,100 +42,88 @@ from jaxrl_kernels.models.decoder import (
   unpack_gate_up,
   unpack_qkv,
 )
+from jaxrl_kernels.nn import checkpoint
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": jnp.bfloat16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
-              "BOOL": np.bool_}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+__all__ = ["from_pretrained", "parse_dtype", "preset", "read_safetensors", "save_pretrained",
+           "write_safetensors"]
+
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 #: Tensors some checkpoints carry that the forward recomputes (rotary tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+#: The shard names save_pretrained writes (transformers'); only files with these names that
+#: a previous index listed, and ``model.safetensors``, are ever removed.
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 # ------------------------------------------------------------------------------ safetensors
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """``{name: array}`` of a safetensors file, memory-mapped (read on first use)."""
+  """``{name: array}`` of a safetensors file, memory-mapped (read on first use).
+
+  Raises:
+    ValueError: naming the file and the key of a malformed file (see
+      :func:`jaxrl_kernels.nn.checkpoint.read_safetensors_header`).
+  """
   path = os.fspath(path)
-  with open(path, "rb") as f:
-    head = f.read(8)
-    if len(head) < 8:
-      raise ValueError(f"from_pretrained: {path} is too short to be a safetensors file")
-    (n,) = struct.unpack("<Q", head)
-    size = os.path.getsize(path)
-    if 8 + n > size:
-      raise ValueError(f"from_pretrained: {path} declares a {n}-byte header but has "
-                       f"{size - 8} bytes after it")
-    header = json.loads(f.read(n))
-  header.pop("__metadata__", None)
-  base = 8 + n
   out = {}
-  for name, info in header.items():
-    if info["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"from_pretrained: tensor {name} in {path} has unsupported dtype "
-                       f"{info['dtype']}")
-    dt = np.dtype(_ST_DTYPES[info["dtype"]]).newbyteorder("<")
-    lo, hi = info["data_offsets"]
-    shape = tuple(info["shape"])
-    count = int(np.prod(shape, dtype=np.int64))
-    if hi - lo != count * dt.itemsize:
-      raise ValueError(f"from_pretrained: tensor {name} in {path} has {hi - lo} bytes for "
-                       f"shape {shape} of {info['dtype']}")
-    if count == 0:
-      out[name] = np.zeros(shape, dt)
+  for e in checkpoint.read_safetensors_header(path, op="from_pretrained"):
+    if e.nbytes == 0:
+      out[e.name] = np.zeros(e.shape, e.dtype)
     else:
-      out[name] = np.memmap(path, dtype=dt, mode="r", offset=base + lo, shape=shape)
+      out[e.name] = np.memmap(path, dtype=e.dtype, mode="r", offset=e.offset, shape=e.shape)
   return out
 
 
 def write_safetensors(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
   """Writes ``{name: array}`` as one safetensors file (``__metadata__ = {"format": "pt"}``,
-  which ``transformers`` checks)."""
-  header: dict = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  for name in sorted(arrays):
-    a = arrays[name]
-    if a.dtype not in _ST_NAMES:
-      raise TypeError(f"save_pretrained: {name} has unsupported dtype {a.dtype}")
-    nbytes = a.size * a.dtype.itemsize
-    header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [offset, offset + nbytes]}
-    offset += nbytes
-  text = json.dumps(header, separators=(",", ":")).encode()
-  text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(text)))
-    f.write(text)
-    for name in sorted(arrays):
-      a = np.ascontiguousarray(arrays[name])
-      f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+  which ``transformers`` checks), atomically: a synced temporary file renamed into place."""
+  checkpoint.atomic_write(path, checkpoint.safetensors_writer(arrays, op="save_pretrained"))
 
 
-def _read_folder_tensors(path: str) -> dict[str, np.ndarray]:
-  single = os.path.join(path, "model.safetensors")
-  index = os.path.join(path, "model.safetensors.index.json")
+def _read_json(path: str):
+  try:
+    with open(path, "rb") as f:
+      return json.loads(f.read().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"from_pretrained: {path} is not UTF-8 JSON ({e})") from None
+
+
+def _read_folder_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """``({tensor name: array}, {tensor name: file it came from})``."""
+  single = os.path.join(path, SINGLE)
+  index = os.path.join(path, INDEX)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
+    doc = _read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
       raise ValueError(f"from_pretrained: {index} has no 'weight_map' object")
+    for name, file in weight_map.items():
+      if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+        raise ValueError(f"from_pretrained: {index} maps tensor {name!r} to {file!r}, "
+                         f"expected a file name in {path}")
     tensors: dict[str, np.ndarray] = {}
+    files: dict[str, str] = {}
     for file in sorted(set(weight_map.values())):
       shard = os.path.join(path, file)
-      if not os.path.exists(shard):
+      if not os.path.isfile(shard):
         raise ValueError(f"from_pretrained: {index} lists {file}, which is missing")
-      tensors.update(read_safetensors(shard))
+      part = read_safetensors(shard)
+      tensors.update(part)
+      files.update(dict.fromkeys(part, shard))
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
       raise ValueError(f"from_pretrained: tensors listed in {index} are missing from their "
                        f"files: {missing[:5]}")
-    return tensors
+    return tensors, files
   if os.path.exists(single):
-    return read_safetensors(single)
-  raise ValueError(f"from_pretrained: {path} has neither model.safetensors nor "
-                   f"model.safetensors.index.json")
+    tensors = read_safetensors(single)
+    return tensors, dict.fromkeys(tensors, single)
+  raise ValueError(f"from_pretrained: {path} has neither {SINGLE} nor {INDEX}")
 
 
 # ---------------------------------------------------------------------------------- names
@@ -188,15 +183,16 @@ def _abstract(cfg: DecoderConfig, dtype, param_dtype, implementation, remat, row
                                           row_chunks=row_chunks, rngs=nnx.Rngs(0)))
 
 
-def _float_dtype(name: str, value) -> jnp.dtype:
-  try:
-    dt = jnp.dtype(value)
-  except TypeError:
-    raise ValueError(f"from_pretrained: {name} must be one of {_FLOAT_DTYPES}, got "
-                     f"{value!r}") from None
-  if dt.name not in _FLOAT_DTYPES:
-    raise ValueError(f"from_pretrained: {name} must be one of {_FLOAT_DTYPES}, got {dt.name!r}")
-  return dt
+def _checkpoint_dtype(raw: dict, cfg_path: str) -> np.dtype:
+  """``dtype="auto"``: the checkpoint's ``torch_dtype`` (``dtype`` in transformers 5)."""
+  key = "torch_dtype" if raw.get("torch_dtype") is not None else "dtype"
+  value = raw.get(key)
+  if value is None:
+    raise ValueError(f"from_pretrained: dtype 'auto' reads torch_dtype from {cfg_path}, which "
+                     f"has neither 'torch_dtype' nor 'dtype'")
+  if isinstance(value, str) and value.startswith("torch."):
+    value = value[len("torch."):]
+  return parse_dtype(f"from_pretrained: {key} in {cfg_path} (dtype 'auto')", value)
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
@@ -207,8 +203,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   Args:
     path: a folder with ``config.json`` and ``model.safetensors`` (or sharded
       ``model-*.safetensors`` + ``model.safetensors.index.json``).
-    dtype: activation / KV-cache dtype (default: ``param_dtype``).
-    param_dtype: parameter dtype (default: the checkpoint's embedding dtype).
+    dtype: activation / KV-cache dtype (default: ``param_dtype``). Any value
+      :func:`~jaxrl_kernels.models.config.parse_dtype` accepts (``"bf16"``,
+      ``"bfloat16"``, ``jnp.bfloat16``, ...), or ``"auto"``: the checkpoint's ``torch_dtype``
+      from ``config.json``.
+    param_dtype: parameter dtype (default: the checkpoint's embedding dtype; the same values
+      as ``dtype``). Floating tensors are rounded to it; integer or bool tensors are refused.
     implementation: passed to every op (see :class:`DecoderLM`).
     remat: recompute layer activations in the backward pass.
     row_chunks: K chunks of the row-parallel layers' canonical order (see
@@ -216,23 +216,41 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
       ``det_matmul``, tensor parallelism refused).
 
   Raises:
-    ValueError: naming what is wrong: an unknown ``model_type`` or unsupported
-      config option (:func:`~jaxrl_kernels.models.config.from_hf_dict`), a missing,
-      unexpected or mis-shaped tensor, a missing file.
+    ValueError: naming the file and what is wrong: an unknown ``model_type`` or unsupported
+      or mistyped config option (:func:`~jaxrl_kernels.models.config.from_hf_dict`), a
+      missing, unexpected, mis-shaped or non-float tensor, a missing, truncated or malformed
+      file (not JSON, a header without ``data_offsets``, ...), an unknown dtype string.
   """
   path = os.fspath(path)
+  dt_arg = None if dtype is None else parse_dtype("from_pretrained: dtype", dtype,
+                                                   allow_auto=True)
+  pdt_arg = None if param_dtype is None else parse_dtype("from_pretrained: param_dtype",
+                                                         param_dtype, allow_auto=True)
   cfg_path = os.path.join(path, "config.json")
-  if not os.path.exists(cfg_path):
+  if not os.path.isfile(cfg_path):
     raise ValueError(f"from_pretrained: {path} has no config.json")
-  with open(cfg_path) as f:
-    cfg = from_hf_dict(json.load(f))
-  tensors = _read_folder_tensors(path)
-  embed = tensors.get("model.embed_tokens.weight")
-  if param_dtype is None:
+  raw = _read_json(cfg_path)
+  cfg = from_hf_dict(raw, source=f"from_pretrained: {cfg_path}")
+  tensors, files = _read_folder_tensors(path)
+  for name, x in tensors.items():
+    if not np.issubdtype(x.dtype, np.floating) and x.dtype != jnp.bfloat16 \
+        and not name.endswith(_IGNORED_SUFFIXES):
+      raise ValueError(f"from_pretrained: tensor {name} in {files[name]} has dtype "
+                       f"{x.dtype.name}; weights must be floating point ({_FLOAT_DTYPES} or "
+                       f"float64), integer and bool tensors are not cast")
+  layers = {int(m.group(1)) for m in map(_LAYER.match, tensors) if m}
+  if cfg.num_hidden_layers > len(layers):  # checked before building that many layers
+    raise ValueError(f"from_pretrained: {cfg_path} has num_hidden_layers="
+                     f"{cfg.num_hidden_layers} but the tensors in {path} hold {len(layers)} "
+                     f"layers")
+  auto = _checkpoint_dtype(raw, cfg_path) if AUTO in (dt_arg, pdt_arg) else None
+  if pdt_arg is None:
+    embed = tensors.get("model.embed_tokens.weight")
     stored = embed.dtype.name if embed is not None else "float32"
-    param_dtype = stored if stored in _FLOAT_DTYPES else "float32"
-  pdt = _float_dtype("param_dtype", param_dtype)
-  dt = pdt if dtype is None else _float_dtype("dtype", dtype)
+    pdt = jnp.dtype(stored if stored in _FLOAT_DTYPES else "float32")
+  else:
+    pdt = jnp.dtype(auto if pdt_arg == AUTO else pdt_arg)
+  dt = pdt if dt_arg is None else jnp.dtype(auto if dt_arg == AUTO else dt_arg)
   graphdef, abstract = nnx.split(_abstract(cfg, dt, pdt, implementation, remat, row_chunks))
   flat = []
   used = set()
@@ -249,7 +267,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
       got = tuple(x.shape[::-1] if transposed else x.shape)
       if got != want:
         raise ValueError(f"from_pretrained: tensor {name} has shape {tuple(x.shape)}, "
-                         f"expected {want[::-1] if transposed else want}")
+                         f"expected {want[::-1] if transposed else want} (in {files[name]})")
       used.add(name)
       x = np.asarray(x)
       parts.append(x.T if transposed else x)
@@ -264,6 +282,28 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _own_shards(path: str) -> set[str]:
+  """The shard files of the checkpoint already in ``path``: those its
+  ``model.safetensors.index.json`` lists under transformers' shard names. An unreadable
+  index names none (nothing unidentified is removed)."""
+  try:
+    with open(os.path.join(path, INDEX), "rb") as f:
+      weight_map = json.loads(f.read().decode("utf-8")).get("weight_map")
+    files = set(weight_map.values())
+  except (OSError, ValueError, AttributeError, TypeError):
+    return set()
+  return {f for f in files if isinstance(f, str) and _SHARD_NAME.fullmatch(f)
+          and os.path.isfile(os.path.join(path, f))}
+
+
+def _same_bytes(path: str, data: bytes) -> bool:
+  try:
+    with open(path, "rb") as f:
+      return f.read() == data
+  except OSError:
+    return False
+
+
 def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
   """Writes ``model`` as a Hugging Face folder that ``transformers`` and vLLM load.
@@ -272,14 +312,28 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
   ``model.safetensors``, or, when the weights exceed ``max_shard_bytes``,
   ``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json``.
   A tied embedding is written once (as ``model.embed_tokens.weight``).
+
+  Other files in ``path`` (adapters, value heads, optimizer states, any other
+  ``*.safetensors``) are never touched. Of a checkpoint saved there before, only
+  ``model.safetensors``, ``model.safetensors.index.json`` and the
+  ``model-0000k-of-0000n.safetensors`` shards that index lists are replaced or removed.
+
+  Every file is first written in full to a synced temporary name in ``path``; an
+  exception (or interrupt) before the last byte is written removes the temporaries and
+  leaves the folder as it was. The files then replace the old ones by renames, in an order
+  where the folder holds the old checkpoint, the new one, or (between the renames, when
+  the config changes or same-named shards are replaced) no loadable checkpoint — never a
+  mix of old and new.
   """
   if not isinstance(model, DecoderLM):
     raise TypeError(f"save_pretrained: model must be a DecoderLM, got {type(model).__name__}")
-  if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+  if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) \
+      or max_shard_bytes < 1:
     raise ValueError(f"save_pretrained: max_shard_bytes must be an int >= 1, got "
                      f"{max_shard_bytes!r}")
   path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"save_pretrained: path {path} exists and is not a folder")
   arrays: dict[str, np.ndarray] = {}
   for p, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     names, transposed = hf_names(p)
@@ -290,8 +344,7 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
   pdt = arrays["model.embed_tokens.weight"].dtype.name
   cfg["torch_dtype"] = pdt
   cfg["dtype"] = pdt
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg, f, indent=2, sort_keys=True)
+  cfg_bytes = json.dumps(cfg, indent=2, sort_keys=True).encode()
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name in sorted(arrays):
@@ -301,22 +354,64 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
       size = 0
     shards[-1][name] = arrays[name]
     size += nbytes
-  for stale in os.listdir(path):  # a previous save's shards would confuse a loader
-    if stale.endswith(".safetensors") or stale == "model.safetensors.index.json":
-      os.remove(os.path.join(path, stale))
+  # {final file name: write(f)}, in the order they are committed (the index after its shards).
+  files: dict[str, object] = {}
   if len(shards) == 1:
-    write_safetensors(shards[0], os.path.join(path, "model.safetensors"))
-    return
-  n = len(shards)
-  weight_map = {}
-  for k, shard in enumerate(shards, start=1):
-    file = f"model-{k:05d}-of-{n:05d}.safetensors"
-    write_safetensors(shard, os.path.join(path, file))
-    weight_map.update({name: file for name in shard})
-  index = {"metadata": {"total_size": int(sum(a.nbytes for a in arrays.values()))},
-           "weight_map": dict(sorted(weight_map.items()))}
-  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-    json.dump(index, f, indent=2)
+    files[SINGLE] = checkpoint.safetensors_writer(shards[0], op="save_pretrained")
+  else:
+    n = len(shards)
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+      file = f"model-{k:05d}-of-{n:05d}.safetensors"
+      files[file] = checkpoint.safetensors_writer(shard, op="save_pretrained")
+      weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in arrays.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    index_bytes = json.dumps(index, indent=2).encode()
+    files[INDEX] = lambda f: f.write(index_bytes)
+  os.makedirs(path, exist_ok=True)
+  old_shards = _own_shards(path)
+  cfg_file = os.path.join(path, "config.json")
+  cfg_changes = not _same_bytes(cfg_file, cfg_bytes)
+  # 1. Everything is written and synced under temporary names; the folder is unchanged.
+  temps: dict[str, str] = {}
+  try:
+    for file, write in [*files.items(), ("config.json", lambda f: f.write(cfg_bytes))]:
+      tmp = checkpoint.temp_path(os.path.join(path, file))
+      temps[file] = tmp
+      checkpoint.write_synced(tmp, write)
+  except BaseException:
+    for tmp in temps.values():
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+    raise
+  # 2. Renames. A changed config is removed first, so that no old config ever describes new
+  # weights (or the reverse); an old index is removed before shards of the same names are
+  # replaced, so that it never lists a mix of old and new shards.
+  def drop(file):
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(path, file))
+
+  try:
+    if cfg_changes:
+      drop("config.json")
+    if len(shards) > 1 and any(os.path.exists(os.path.join(path, f)) for f in files
+                               if f != INDEX):
+      drop(INDEX)
+    for file in files:
+      os.replace(temps.pop(file), os.path.join(path, file))
+    if len(shards) == 1:
+      drop(INDEX)
+    else:
+      drop(SINGLE)
+    for file in sorted(old_shards - set(files)):
+      drop(file)
+    os.replace(temps.pop("config.json"), cfg_file)
+  finally:
+    for tmp in temps.values():
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+  checkpoint.fsync_dir(path)
 
 
 def preset(name: str, key: jax.Array | int = 0, dtype="bfloat16", *,
@@ -325,8 +420,14 @@ def preset(name: str, key: jax.Array | int = 0, dtype="bfloat16", *,
   """A :class:`DecoderLM` with random weights (normal, std 0.02) at the true shape of
   ``name``: ``"qwen2.5-0.5b"``, ``"qwen2.5-1.5b"``, ``"llama-3.2-1b"``,
   ``"llama-3.1-8b"``, ``"qwen3-8b"``. ``overrides`` replace config fields (e.g.
-  ``num_hidden_layers=2``); ``row_chunks`` as in :class:`DecoderLM`."""
+  ``num_hidden_layers=2``); ``row_chunks`` as in :class:`DecoderLM`. ``dtype`` (activations
+  and parameters) takes what :func:`~jaxrl_kernels.models.config.parse_dtype` accepts;
+  ``"auto"`` is refused (a preset has no checkpoint ``torch_dtype`` to read)."""
+  if isinstance(dtype, str) and dtype == AUTO:
+    raise ValueError("preset: dtype 'auto' means a checkpoint's torch_dtype and a preset has "
+                     "no checkpoint; pass 'bfloat16', 'float32' or 'float16'")
+  dt = parse_dtype("preset: dtype", dtype)
   cfg = config(name, **overrides)
   rngs = nnx.Rngs(params=key) if not isinstance(key, int) else nnx.Rngs(key)
-  return DecoderLM(cfg, dtype=dtype, implementation=implementation, remat=remat,
+  return DecoderLM(cfg, dtype=dt, implementation=implementation, remat=remat,
                    row_chunks=row_chunks, rngs=rngs)

@@ -6,7 +6,10 @@ Loading checks names, shapes and dtypes and lists every mismatch in one error.
 * ``*.safetensors``: the safetensors format (an 8-byte little-endian header
   size, a JSON header of ``{name: {dtype, shape, data_offsets}}``, then the raw
   little-endian bytes), read and written here with numpy, so no extra package
-  is needed. bf16 is ``BF16``.
+  is needed. bf16 is ``BF16``. Files are written to a synced temporary name in the
+  same folder and renamed into place (:func:`atomic_write`): an interrupted save
+  leaves the previous file as it was. A malformed file raises a ValueError naming
+  the file and the key (:func:`read_safetensors_header`).
 * any other path: an orbax checkpoint folder holding the same flat
   ``{name: array}`` dict. ``orbax-checkpoint`` is imported only then (``pip install
   'jaxrl_kernels[orbax]'``); without it such a path raises an ImportError saying so.
@@ -14,9 +17,15 @@ Loading checks names, shapes and dtypes and lists every mismatch in one error.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import math
 import os
+import secrets
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,48 +61,178 @@ def _flat_params(model: nnx.Module) -> dict[str, jax.Array]:
   return flat
 
 
-def save_safetensors(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
-  """Writes ``{name: array}`` as a safetensors file."""
-  header, offset, blobs = {}, 0, []
+def temp_path(path: str | os.PathLike) -> str:
+  """A fresh hidden name next to ``path`` (same folder, so ``os.replace`` is atomic) that no
+  ``*.safetensors`` / ``*.json`` glob matches."""
+  folder, base = os.path.split(os.fspath(path))
+  return os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+  """Makes renames inside ``folder`` durable (a no-op where folders cannot be opened)."""
+  try:
+    fd = os.open(os.fspath(folder) or ".", os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def write_synced(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
+  """Creates ``path`` (which must not exist), calls ``write(f)`` on it, and syncs it to
+  disk; on any exception the partial file is removed."""
+  path = os.fspath(path)
+  try:
+    with open(path, "xb") as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(path)
+    raise
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
+  """Writes ``path`` all or nothing: ``write(f)`` fills a synced temporary file in the same
+  folder, which then replaces ``path`` in one rename. On any exception ``path`` keeps its
+  previous content and no temporary file is left."""
+  path = os.fspath(path)
+  tmp = temp_path(path)
+  write_synced(tmp, write)
+  try:
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  fsync_dir(os.path.dirname(path))
+
+
+def safetensors_writer(arrays: dict[str, np.ndarray], *, op: str) -> Callable[[Any], None]:
+  """``write(f)`` that writes ``{name: array}`` in the safetensors format (tensors sorted by
+  name, ``__metadata__ = {"format": "pt"}``, which ``transformers`` checks, the data 8-byte
+  aligned). Unsupported dtypes raise a TypeError naming the tensor, before anything is
+  written."""
+  header: dict = {"__metadata__": {"format": "pt"}}
+  offset, blobs = 0, []
   for name in sorted(arrays):
     a = np.ascontiguousarray(np.asarray(arrays[name]))
     if a.dtype not in _NAMES:
-      raise TypeError(f"save_safetensors: {name} has unsupported dtype {a.dtype}")
-    blob = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-    header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [offset, offset + len(blob)]}
-    offset += len(blob)
-    blobs.append(blob)
+      raise TypeError(f"{op}: tensor {name} has unsupported dtype {a.dtype} (supported: "
+                      f"{sorted(str(np.dtype(d)) for d in _DTYPES.values())})")
+    st = _NAMES[a.dtype]
+    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    header[name] = {"dtype": st, "shape": list(a.shape),
+                    "data_offsets": [offset, offset + a.nbytes]}
+    offset += a.nbytes
+    blobs.append(a)
   text = json.dumps(header, separators=(",", ":")).encode()
   text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-  with open(path, "wb") as f:
+
+  def write(f) -> None:
     f.write(struct.pack("<Q", len(text)))
     f.write(text)
-    for blob in blobs:
-      f.write(blob)
+    for a in blobs:
+      f.write(a.reshape(-1).view(np.uint8))
+
+  return write
+
+
+def save_safetensors(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
+  """Writes ``{name: array}`` as a safetensors file, atomically (:func:`atomic_write`)."""
+  atomic_write(path, safetensors_writer(arrays, op="save_safetensors"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+  """One tensor of a safetensors header: its dtype, shape and absolute byte offset."""
+
+  name: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  offset: int
+  nbytes: int
+
+
+def read_safetensors_header(path: str | os.PathLike, *, op: str) -> list[TensorEntry]:
+  """The checked header of a safetensors file.
+
+  Raises:
+    ValueError: naming the file (and the tensor and key where there is one): a file shorter
+      than its header or than a tensor's ``data_offsets``, a header that is not UTF-8 JSON
+      or not an object, a tensor entry without ``dtype``/``shape``/``data_offsets`` or with
+      values of the wrong type, an unsupported dtype, offsets that do not hold the shape.
+  """
+  path = os.fspath(path)
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise ValueError(f"{op}: {path} is too short to be a safetensors file ({len(head)} "
+                       f"bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+      raise ValueError(f"{op}: {path} declares a {n}-byte header but has {size - 8} bytes "
+                       f"after the size (truncated?)")
+    raw = f.read(n)
+  try:
+    header = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{op}: {path} has a header that is not UTF-8 JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{op}: {path} has a header that is a JSON {type(header).__name__}, "
+                     f"expected an object {{name: {{dtype, shape, data_offsets}}}}")
+  base = 8 + n
+  out = []
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    where = f"{op}: tensor {name!r} in {path}"
+    if not isinstance(info, dict):
+      raise ValueError(f"{where} has a header entry that is a JSON {type(info).__name__}, "
+                       f"expected an object")
+    for key in ("dtype", "shape", "data_offsets"):
+      if key not in info:
+        raise ValueError(f"{where} has no {key!r} in its header entry")
+    st, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(st, str) or st not in _DTYPES:
+      raise ValueError(f"{where} has unsupported dtype {st!r} (supported: {sorted(_DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+      raise ValueError(f"{where} has 'shape' {shape!r}, expected a list of ints >= 0")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(o) for o in offs)
+        or offs[0] > offs[1]):
+      raise ValueError(f"{where} has 'data_offsets' {offs!r}, expected [begin, end] with "
+                       f"0 <= begin <= end")
+    dt = np.dtype(_DTYPES[st]).newbyteorder("<")
+    lo, hi = offs
+    count = math.prod(shape)
+    if hi - lo != count * dt.itemsize:
+      raise ValueError(f"{where} has {hi - lo} bytes in 'data_offsets' for shape "
+                       f"{tuple(shape)} of {st}")
+    if base + hi > size:
+      raise ValueError(f"{where} ends at byte {base + hi} ('data_offsets' {offs}) but the "
+                       f"file has {size} bytes (truncated?)")
+    out.append(TensorEntry(name, dt, tuple(shape), base + lo, hi - lo))
+  return out
+
+
+def _is_count(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """Reads a safetensors file into ``{name: numpy array}``."""
+  """Reads a safetensors file into ``{name: numpy array}`` (errors as
+  :func:`read_safetensors_header`)."""
+  entries = read_safetensors_header(path, op="load_safetensors")
   with open(path, "rb") as f:
     data = f.read()
-  if len(data) < 8:
-    raise ValueError(f"load_safetensors: {path} is too short to be a safetensors file")
-  (n,) = struct.unpack("<Q", data[:8])
-  if 8 + n > len(data):
-    raise ValueError(f"load_safetensors: {path} declares a {n}-byte header but has "
-                     f"{len(data) - 8} bytes after the size")
-  header = json.loads(data[8:8 + n])
-  header.pop("__metadata__", None)
-  out = {}
-  base = 8 + n
-  for name, info in header.items():
-    if info["dtype"] not in _DTYPES:
-      raise TypeError(f"load_safetensors: {name} has unsupported dtype {info['dtype']}")
-    dt = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
-    lo, hi = info["data_offsets"]
-    out[name] = np.frombuffer(data[base + lo:base + hi], dt).reshape(info["shape"])
-  return out
+  return {e.name: np.frombuffer(data[e.offset:e.offset + e.nbytes], e.dtype).reshape(e.shape)
+          for e in entries}
 
 
 def save_params(model: nnx.Module, path: str | os.PathLike) -> None:
