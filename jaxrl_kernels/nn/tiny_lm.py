@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxrl_kernels import _validation
 from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
@@ -370,11 +371,36 @@ def _is_traced(*xs) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def check_prefill(op: str, tokens, lengths, cache: KVCache) -> tuple[jax.Array, jax.Array]:
+def check_token_ids(op: str, name: str, ids, vocab_size: int, mask=None) -> jax.Array:
+  """``ids`` as int32, checked to lie in ``[0, vocab_size)`` where ``mask`` (everywhere
+  without one): eagerly when concrete (ValueError naming ``name``, the first bad index and
+  value, and V), with ``checkify.debug_check`` when traced (:func:`embed_ids` then makes an
+  out-of-range id's embedding NaN)."""
+  ids = _validation.as_ids(op, name, ids)
+  _validation.check_ids_in_range(op, name, ids, vocab_size, mask)
+  return ids
+
+
+def embed_ids(embed, ids: jax.Array, vocab_size: int) -> jax.Array:
+  """``embed(ids)`` where ``ids`` lie in ``[0, vocab_size)``, NaN rows elsewhere: a traced
+  out-of-range id never gives a finite (wrapped, zero or clamped) embedding, the same with
+  the table sharded or not. In-range ids give ``embed``'s bits."""
+  ok = (ids >= 0) & (ids < vocab_size)
+  x = embed(jnp.where(ok, ids, 0))
+  return jnp.where(ok[..., None], x, jnp.full((), jnp.nan, x.dtype))
+
+
+def check_prefill(op: str, tokens, lengths, cache: KVCache, vocab_size: int | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """``(tokens [B, P], lengths [B] int32)`` of a KV-cache prefill, checked against the cache:
-  one batch size, prompts that fit ``max_len``, and (when concrete) lengths in ``[1, P]``."""
-  tokens = jnp.asarray(tokens)
+  one batch size, prompts that fit ``max_len``, and (when concrete) lengths in ``[1, P]``.
+  With ``vocab_size``: ids before ``lengths`` must lie in ``[0, V)`` (see
+  :func:`check_token_ids`), and the padding after them is replaced by 0, so that it is
+  inert whatever its value (V, -100)."""
+  tokens = _validation.as_ids(op, "tokens", tokens)
   lengths = jnp.asarray(lengths, jnp.int32)
+  if tokens.ndim != 2:
+    raise ValueError(f"{op}: tokens must be [B, P], got shape {tokens.shape}")
   b, p = tokens.shape
   if cache.keys[0].shape[0] != b or lengths.shape != (b,):
     raise ValueError(f"{op}: tokens {tokens.shape}, lengths {lengths.shape} and the cache's "
@@ -385,6 +411,10 @@ def check_prefill(op: str, tokens, lengths, cache: KVCache) -> tuple[jax.Array, 
     ls = np.asarray(lengths)
     if not np.all((ls >= 1) & (ls <= p)):
       raise ValueError(f"{op}: lengths must lie in [1, {p}], got {ls.tolist()}")
+  if vocab_size is not None:
+    active = jnp.arange(p, dtype=jnp.int32)[None, :] < lengths[:, None]
+    _validation.check_ids_in_range(op, "tokens", tokens, vocab_size, active)
+    tokens = jnp.where(active, tokens, 0)
   return tokens, lengths
 
 
@@ -445,7 +475,7 @@ class TinyCausalLM(nnx.Module):
         position 0: a ValueError for concrete inputs, NaN hidden states for that
         document's tokens under ``jit``.
     """
-    tokens = jnp.asarray(tokens)
+    tokens = check_token_ids("TinyCausalLM", "tokens", tokens, self.config.vocab_size)
     if tokens.ndim != 2:
       raise ValueError(f"TinyCausalLM: tokens must be [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
@@ -464,7 +494,7 @@ class TinyCausalLM(nnx.Module):
       if not isinstance(max_docs, int) or max_docs < 1:
         raise ValueError(f"TinyCausalLM: max_docs must be a static int >= 1, got {max_docs!r}")
       docs = documents(jnp.asarray(positions), jnp.asarray(segment_ids), max_docs)
-    x = self.embed(tokens)
+    x = embed_ids(self.embed, tokens, self.config.vocab_size)
     for block in self.blocks:
       x, _, _ = block(x, positions, docs)
     return self.final_norm(x)
@@ -497,9 +527,10 @@ class TinyCausalLM(nnx.Module):
       ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
       prompt token (position ``lengths[b] - 1``) and the cache with ``lengths``.
     """
-    tokens, lengths = check_prefill("TinyCausalLM.prefill", tokens, lengths, cache)
+    tokens, lengths = check_prefill("TinyCausalLM.prefill", tokens, lengths, cache,
+                                    self.config.vocab_size)
     b, p = tokens.shape
-    x = self.embed(tokens)
+    x = embed_ids(self.embed, tokens, self.config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []
     for block, ck, cv in zip(self.blocks, cache.keys, cache.values):
@@ -516,13 +547,13 @@ class TinyCausalLM(nnx.Module):
     full (``lengths[b] == max_len``) writes nothing, keeps its length and gets a
     NaN hidden state (size the cache for prompt + completion: ``sample`` does).
     """
-    token = jnp.asarray(token)
+    token = check_token_ids("TinyCausalLM.decode_step", "token", token, self.config.vocab_size)
     b = cache.lengths.shape[0]
     if token.shape != (b,):
       raise ValueError(f"TinyCausalLM.decode_step: token must have shape ({b},), got "
                        f"{token.shape}")
     lengths = cache.lengths
-    x = self.embed(token[:, None])
+    x = embed_ids(self.embed, token[:, None], self.config.vocab_size)
     keys, values = [], []
     for block, ck, cv in zip(self.blocks, cache.keys, cache.values):
       x, ck, cv = block.decode(x, ck, cv, lengths)
