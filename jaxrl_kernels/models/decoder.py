@@ -26,7 +26,7 @@ the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCa
   norm after it (``nn.add_rms_norm``, the same bits); rotary is elementwise from the
   integer position;
 * attention is ``causal_attention`` on documents left-aligned at key 0
-  (``nn.tiny_lm.documents``), and decode writes each token's ``k, v`` at
+  (``nn.protocol.documents``), and decode writes each token's ``k, v`` at
   index = position: fixed key tiles from key 0 give decode == prefill.
 
 ``implementation="xla"`` is the stock path the benchmarks compare against:
@@ -77,13 +77,14 @@ from jaxrl_kernels.models.config import DecoderConfig
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
 from jaxrl_kernels.nn.norm import add_rms_norm, rms_norm
-from jaxrl_kernels.nn.tiny_lm import (
+from jaxrl_kernels.nn.protocol import (
   Documents,
   KVCache,
   check_prefill,
   check_token_ids,
   documents,
   embed_ids,
+  is_traced,
 )
 
 _INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
@@ -518,10 +519,6 @@ def _layer_forward(layer, x, positions, docs):
   return layer(x, positions, docs)[0]
 
 
-def _is_traced(*xs) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
 class DecoderLM(nnx.Module):
   """A Llama / Qwen2 / Qwen3 causal LM whose per-token log-probs are batch-invariant.
 
@@ -661,7 +658,7 @@ class DecoderLM(nnx.Module):
 
   def _traced(self, *xs) -> bool:
     """True inside a trace: an argument or a parameter is a tracer."""
-    return _is_traced(*xs, self.embed_tokens.embedding.get_value())
+    return is_traced(*xs, self.embed_tokens.embedding.get_value())
 
   # ---------------------------------------------------------------------------- KV cache
 

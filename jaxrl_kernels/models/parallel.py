@@ -43,7 +43,7 @@ from jaxrl_kernels import _compat
 from jaxrl_kernels.linear_logp import LogitStats, padded_vocab_size, vocab_parallel_linear_logp
 from jaxrl_kernels.linear_logp import api as linear_logp_api
 from jaxrl_kernels.models.decoder import DecoderLM, RowParallelLinear
-from jaxrl_kernels.nn.tiny_lm import KVCache, check_prefill, check_token_ids
+from jaxrl_kernels.nn.protocol import KVCache, check_prefill, check_token_ids
 
 #: Logical axes (the ``logical_axes`` metadata of ``DecoderLM``'s parameters) split over tp.
 TP_LOGICAL_AXES = ("vocab", "q_heads", "kv_heads", "mlp")

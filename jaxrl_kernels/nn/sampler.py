@@ -20,7 +20,7 @@ unsharded bits).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,40 +31,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_kernels import _validation, contract
 from jaxrl_kernels.nn.lm_head import LMHead, LogitPartials, logp_from_stats
-from jaxrl_kernels.nn.tiny_lm import KVCache
+from jaxrl_kernels.nn.protocol import CausalLM as CausalLM
 from jaxrl_kernels.pallas import draw as race
 from jaxrl_kernels.pallas import softmax_partials as sp
-
-
-class CausalLM(Protocol):
-  """What :func:`sample` and :func:`score` need from a model.
-
-  Attributes / methods:
-    config: has ``vocab_size``.
-    head: the :class:`~jaxrl_kernels.nn.LMHead` reading the final hidden states (or an
-      object with its ``logits(h, temperature, return_stats)`` and ``__call__``, as
-      ``models.ShardedHead``).
-    __call__(tokens, positions=None, segment_ids=None, *, max_docs=None): hidden ``[B, T, H]``.
-    logp(tokens, targets, mask=None, *, positions, segment_ids, max_docs, temperature):
-      float32 ``[B, T]`` log-probs through ``head``.
-    init_cache(batch, max_len) -> KVCache; prefill(tokens, lengths, cache) ->
-      (hidden ``[B, H]``, cache); decode_step(token, cache) -> (hidden ``[B, H]``, cache),
-      with decode == prefill bitwise. Optionally ``decode_weights()``: weights made once
-      before the decode loop, then passed as ``decode_step(token, cache, weights=...)``.
-  """
-
-  head: LMHead | object
-
-  def __call__(self, tokens, positions=None, segment_ids=None, *, max_docs=None): ...
-
-  def logp(self, tokens, targets, mask=None, *, positions=None, segment_ids=None,
-           max_docs=None, temperature=1.0, return_entropy=False): ...
-
-  def init_cache(self, batch: int, max_len: int) -> KVCache: ...
-
-  def prefill(self, tokens, lengths, cache: KVCache): ...
-
-  def decode_step(self, token, cache: KVCache): ...
 
 
 class SampleResult(NamedTuple):
