@@ -658,7 +658,10 @@ class DecoderLM(nnx.Module):
 
   def _traced(self, *xs) -> bool:
     """True inside a trace: an argument or a parameter is a tracer."""
-    return is_traced(*xs, self.embed_tokens.embedding.get_value())
+    if is_traced(*xs):
+      return True
+    # A parameter: tracers under nnx.jit / grad of the model (the arguments may be constants).
+    return is_traced(self.norm.weight.get_value())
 
   # ---------------------------------------------------------------------------- KV cache
 
