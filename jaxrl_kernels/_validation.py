@@ -14,10 +14,11 @@ not a conversion.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -315,3 +316,24 @@ def no_gradient(op: str, what: str, x: jax.Array) -> jax.Array:
 def _no_gradient_jvp(op, what, primals, tangents):
   raise TypeError(f"{op}: {what} has no gradient (a sampler-side function); differentiate "
                   "linear_logp or head_logits(return_stats=False) instead")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keyword_mask(fn: _F) -> _F:
+  """``fn`` with a positional ``mask`` (or any argument after its positional ones) refused
+  by a TypeError naming the keyword-only arguments, instead of Python's bare message."""
+  params = inspect.signature(fn).parameters.values()
+  positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    if len(args) > len(positional):
+      raise TypeError(
+          f"{fn.__name__}: takes {len(positional)} positional arguments "
+          f"({', '.join(positional)}) but {len(args)} were given; mask and every option "
+          f"after it are keyword-only: {fn.__name__}({', '.join(positional)}, mask=mask, ...)")
+    return fn(*args, **kwargs)
+
+  return wrapper  # type: ignore[return-value]

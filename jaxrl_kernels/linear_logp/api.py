@@ -188,8 +188,7 @@ def tile_partials(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None
   compute_dtype = jnp.dtype(compute_dtype or weight.dtype)
   impl = resolve("tile_partials", implementation, compute_dtype,
                  supported=PARTIAL_IMPLEMENTATIONS)
-  temp = _temperature_arg(_validation.as_scalar("tile_partials", "temperature", temperature,
-                                                positive=True))
+  temp = _temperature_arg(_validation.as_temperature("tile_partials", temperature))
   return backend(impl).tile_partials(
       hidden2d, weight, bias, targets, layout=weight_layout,
       temperature=1.0 if temp is None else temp,
@@ -279,7 +278,7 @@ def validate(op: str, hidden, weight, targets, *, bias, mask, temperature, weigh
     if bias.shape != (v,):
       raise ValueError(f"{op}: bias must have shape ({v},), got {bias.shape}")
     _validation.check_float_array(op, "bias", bias)
-  temperature = _validation.as_scalar(op, "temperature", temperature, positive=True)
+  temperature = _validation.as_temperature(op, temperature)
   compute_dtype = jnp.dtype(jnp.float32 if fp32_head else hidden.dtype)
   return Inputs(hidden, weight, targets, bias, mask, temperature, compute_dtype, v)
 
@@ -369,6 +368,7 @@ def _fused_bwd(st, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+@_validation.keyword_mask
 def linear_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
                 bias: jax.Array | None = None, temperature: float | jax.Array = 1.0,
                 mask: jax.Array | None = None, return_entropy: bool = False,

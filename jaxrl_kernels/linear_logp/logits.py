@@ -123,7 +123,7 @@ def _check_head(op, hidden, weight, bias, temperature, weight_layout, fp32_head,
     bias = jnp.asarray(bias)
     if bias.shape != (v,):
       raise ValueError(f"{op}: bias must have shape ({v},), got {bias.shape}")
-  temperature = _validation.as_scalar(op, "temperature", temperature, positive=True)
+  temperature = _validation.as_temperature(op, temperature)
   compute_dtype = jnp.dtype(jnp.float32 if fp32_head else hidden.dtype)
   impl = api.resolve(op, implementation, compute_dtype)
   return hidden, weight, bias, temperature, compute_dtype, impl, hd, v

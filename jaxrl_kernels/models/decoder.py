@@ -26,7 +26,7 @@ the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCa
   norm after it (``nn.add_rms_norm``, the same bits); rotary is elementwise from the
   integer position;
 * attention is ``causal_attention`` on documents left-aligned at key 0
-  (``nn.tiny_lm.documents``), and decode writes each token's ``k, v`` at
+  (``nn.protocol.documents``), and decode writes each token's ``k, v`` at
   index = position: fixed key tiles from key 0 give decode == prefill.
 
 ``implementation="xla"`` is the stock path the benchmarks compare against:
@@ -64,6 +64,7 @@ from jax import lax
 
 from jaxrl_kernels import _backend, contract
 from jaxrl_kernels._cpu import guard, opaque_zero
+from jaxrl_kernels._validation import as_temperature
 from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.gemm import (
   ChunkedWeight,
@@ -76,7 +77,15 @@ from jaxrl_kernels.models.config import DecoderConfig
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
 from jaxrl_kernels.nn.norm import add_rms_norm, rms_norm
-from jaxrl_kernels.nn.tiny_lm import Documents, KVCache, check_prefill, documents
+from jaxrl_kernels.nn.protocol import (
+  Documents,
+  KVCache,
+  check_prefill,
+  check_token_ids,
+  documents,
+  embed_ids,
+  is_traced,
+)
 
 _INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -510,10 +519,6 @@ def _layer_forward(layer, x, positions, docs):
   return layer(x, positions, docs)[0]
 
 
-def _is_traced(*xs) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
 class DecoderLM(nnx.Module):
   """A Llama / Qwen2 / Qwen3 causal LM whose per-token log-probs are batch-invariant.
 
@@ -610,8 +615,12 @@ class DecoderLM(nnx.Module):
       segment_ids: ``[B, T]`` int, default all 0.
       max_docs: static int >= 1 (only with ``positions`` or ``segment_ids``).
     """
+    tokens = check_token_ids("DecoderLM", "tokens", tokens, self.config.vocab_size)
+    if not self._traced(tokens, positions, segment_ids):
+      # Eager calls run under one jit: the bits of the jitted (sampler's) program.
+      return _jit_call(self, tokens, positions, segment_ids, max_docs=max_docs)
     tokens, positions, docs = layout(tokens, positions, segment_ids, max_docs)
-    x = self.embed_tokens(tokens)
+    x = embed_ids(self.embed_tokens, tokens, self.config.vocab_size)
     forward = nnx.remat(_layer_forward) if self.remat else _layer_forward
     for layer in self.layers:
       x = forward(layer, x, positions, docs)
@@ -623,7 +632,14 @@ class DecoderLM(nnx.Module):
            return_entropy: bool = False):
     """float32 ``log softmax(z / temperature)[targets]`` ``[B, T]`` (and the entropy)
     through the fused head: the ``[B, T, V]`` logits never exist. ``mask`` False
-    positions give 0 (and zero gradient)."""
+    positions give 0 (and zero gradient). Called outside a trace, runs under one jit (the
+    bits of the jitted program)."""
+    temperature = as_temperature("DecoderLM.logp", temperature)
+    tokens = check_token_ids("DecoderLM.logp", "tokens", tokens, self.config.vocab_size)
+    if not self._traced(tokens, targets, mask, positions, segment_ids, temperature):
+      return _jit_logp(self, tokens, targets, mask, positions=positions,
+                       segment_ids=segment_ids, max_docs=max_docs, temperature=temperature,
+                       return_entropy=return_entropy)
     h = self(tokens, positions, segment_ids, max_docs=max_docs)
     return self.head(h, targets, mask, temperature=temperature, return_entropy=return_entropy)
 
@@ -632,8 +648,20 @@ class DecoderLM(nnx.Module):
              temperature: float = 1.0) -> jax.Array:
     """float32 logits ``[B, T, V]`` (for checks against references; training uses
     :meth:`logp`)."""
+    temperature = as_temperature("DecoderLM.logits", temperature)
+    tokens = check_token_ids("DecoderLM.logits", "tokens", tokens, self.config.vocab_size)
+    if not self._traced(tokens, positions, segment_ids, temperature):
+      return _jit_logits(self, tokens, positions=positions, segment_ids=segment_ids,
+                         max_docs=max_docs, temperature=temperature)
     h = self(tokens, positions, segment_ids, max_docs=max_docs)
     return self.head.logits(h, temperature=temperature)
+
+  def _traced(self, *xs) -> bool:
+    """True inside a trace: an argument or a parameter is a tracer."""
+    if is_traced(*xs):
+      return True
+    # A parameter: tracers under nnx.jit / grad of the model (the arguments may be constants).
+    return is_traced(self.norm.weight.get_value())
 
   # ---------------------------------------------------------------------------- KV cache
 
@@ -656,9 +684,10 @@ class DecoderLM(nnx.Module):
       ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
       prompt token and the cache with ``lengths``.
     """
-    tokens, lengths = check_prefill("DecoderLM.prefill", tokens, lengths, cache)
+    v = self.config.vocab_size
+    tokens, lengths = check_prefill("DecoderLM.prefill", tokens, lengths, cache, v)
     b, p = tokens.shape
-    x = self.embed_tokens(tokens)
+    x = embed_ids(self.embed_tokens, tokens, v)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []
     for layer, ck, cv in zip(self.layers, cache.keys, cache.values, strict=True):
@@ -686,13 +715,14 @@ class DecoderLM(nnx.Module):
     full writes nothing, keeps its length and gets a NaN hidden state. ``weights``:
     :meth:`decode_weights` of this model (the same bits, forward only).
     """
-    token = jnp.asarray(token)
+    v = self.config.vocab_size
+    token = check_token_ids("DecoderLM.decode_step", "token", token, v)
     b = cache.lengths.shape[0]
     if token.shape != (b,):
       raise ValueError(f"DecoderLM.decode_step: token must have shape ({b},), got "
                        f"{token.shape}")
     lengths = cache.lengths
-    x = self.embed_tokens(token[:, None])
+    x = embed_ids(self.embed_tokens, token[:, None], v)
     keys, values = [], []
     pending = None  # a layer's down_proj partials, added by the next norm
     if weights is None:
@@ -708,6 +738,12 @@ class DecoderLM(nnx.Module):
     full = lengths >= cache.max_len
     h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
     return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))
+
+
+_jit_call = nnx.jit(DecoderLM.__call__, static_argnames=("max_docs",))
+_jit_logp = nnx.jit(DecoderLM.logp, static_argnames=("max_docs", "temperature",
+                                                     "return_entropy"))
+_jit_logits = nnx.jit(DecoderLM.logits, static_argnames=("max_docs", "temperature"))
 
 
 def num_params(model: DecoderLM) -> int:

@@ -43,7 +43,7 @@ from jaxrl_kernels import _compat
 from jaxrl_kernels.linear_logp import LogitStats, padded_vocab_size, vocab_parallel_linear_logp
 from jaxrl_kernels.linear_logp import api as linear_logp_api
 from jaxrl_kernels.models.decoder import DecoderLM, RowParallelLinear
-from jaxrl_kernels.nn.tiny_lm import KVCache, check_prefill
+from jaxrl_kernels.nn.protocol import KVCache, check_prefill, check_token_ids
 
 #: Logical axes (the ``logical_axes`` metadata of ``DecoderLM``'s parameters) split over tp.
 TP_LOGICAL_AXES = ("vocab", "q_heads", "kv_heads", "mlp")
@@ -563,7 +563,7 @@ class ShardedDecoderLM(nnx.Module):
                          out_specs)
 
   def _tokens(self, tokens, **others):
-    tokens = jnp.asarray(tokens)
+    tokens = check_token_ids(_OP, "tokens", tokens, self.decoder.config.vocab_size)
     if tokens.ndim != 2:
       raise ValueError(f"{_OP}: tokens must be [B, T], got shape {tokens.shape}")
     _check_batch(self.plan, tokens.shape[0], "tokens")
@@ -633,7 +633,8 @@ class ShardedDecoderLM(nnx.Module):
   def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache
               ) -> tuple[jax.Array, KVCache]:
     """``DecoderLM.prefill`` on every device's rows and kv heads: ``(hidden [B, H], cache)``."""
-    tokens, lengths = check_prefill(f"{_OP}.prefill", tokens, lengths, cache)
+    tokens, lengths = check_prefill(f"{_OP}.prefill", tokens, lengths, cache,
+                                    self.decoder.config.vocab_size)
     _check_batch(self.plan, tokens.shape[0], "tokens")
     return self._run(lambda m, t, n, c: m.prefill(t, n, c), (tokens, lengths, cache),
                      (self.plan.batch_spec(2), self.plan.batch_spec(1), self._cache_specs()),
@@ -641,7 +642,8 @@ class ShardedDecoderLM(nnx.Module):
 
   def decode_step(self, token: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """``DecoderLM.decode_step`` on every device's rows and kv heads."""
-    token = jnp.asarray(token)
+    token = check_token_ids(f"{_OP}.decode_step", "token", token,
+                            self.decoder.config.vocab_size)
     b = cache.lengths.shape[0]
     if token.shape != (b,):
       raise ValueError(f"{_OP}.decode_step: token must have shape ({b},), got {token.shape}")

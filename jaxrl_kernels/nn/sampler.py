@@ -20,7 +20,7 @@ unsharded bits).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,42 +29,11 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl_kernels import contract
+from jaxrl_kernels import _validation, contract
 from jaxrl_kernels.nn.lm_head import LMHead, LogitPartials, logp_from_stats
-from jaxrl_kernels.nn.tiny_lm import KVCache
+from jaxrl_kernels.nn.protocol import CausalLM as CausalLM
 from jaxrl_kernels.pallas import draw as race
 from jaxrl_kernels.pallas import softmax_partials as sp
-
-
-class CausalLM(Protocol):
-  """What :func:`sample` and :func:`score` need from a model.
-
-  Attributes / methods:
-    config: has ``vocab_size``.
-    head: the :class:`~jaxrl_kernels.nn.LMHead` reading the final hidden states (or an
-      object with its ``logits(h, temperature, return_stats)`` and ``__call__``, as
-      ``models.ShardedHead``).
-    __call__(tokens, positions=None, segment_ids=None, *, max_docs=None): hidden ``[B, T, H]``.
-    logp(tokens, targets, mask=None, *, positions, segment_ids, max_docs, temperature):
-      float32 ``[B, T]`` log-probs through ``head``.
-    init_cache(batch, max_len) -> KVCache; prefill(tokens, lengths, cache) ->
-      (hidden ``[B, H]``, cache); decode_step(token, cache) -> (hidden ``[B, H]``, cache),
-      with decode == prefill bitwise. Optionally ``decode_weights()``: weights made once
-      before the decode loop, then passed as ``decode_step(token, cache, weights=...)``.
-  """
-
-  head: LMHead | object
-
-  def __call__(self, tokens, positions=None, segment_ids=None, *, max_docs=None): ...
-
-  def logp(self, tokens, targets, mask=None, *, positions=None, segment_ids=None,
-           max_docs=None, temperature=1.0, return_entropy=False): ...
-
-  def init_cache(self, batch: int, max_len: int) -> KVCache: ...
-
-  def prefill(self, tokens, lengths, cache: KVCache): ...
-
-  def decode_step(self, token, cache: KVCache): ...
 
 
 class SampleResult(NamedTuple):
@@ -308,22 +277,30 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
   Returns:
     A :class:`SampleResult`.
   """
-  prompts = jnp.asarray(prompts, jnp.int32)
-  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  v = model.config.vocab_size
+  prompts = _validation.as_ids("sample", "prompts", prompts)
+  prompt_lengths = _validation.as_ids("sample", "prompt_lengths", prompt_lengths)
   if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
     raise ValueError(f"sample: prompts must be [B, P] and prompt_lengths [B], got "
                      f"{prompts.shape} and {prompt_lengths.shape}")
   if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"sample: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  if (isinstance(temperature, bool) or not isinstance(temperature, int | float)
-      or not np.isfinite(temperature) or temperature <= 0):
-    raise ValueError(f"sample: temperature must be a finite float > 0, got {temperature!r}")
-  if not isinstance(prompt_lengths, jax.core.Tracer):
+  temperature = _validation.as_temperature("sample", temperature)
+  if isinstance(temperature, jax.Array):
+    raise TypeError("sample: temperature must be a concrete number (it is static), got a "
+                    "traced value")
+  if prompts.shape[1] == 0:
+    raise ValueError(f"sample: prompts must have at least one column, got shape "
+                     f"{prompts.shape}")
+  if _validation.is_concrete(prompt_lengths):
     pl = np.asarray(prompt_lengths)
     if not np.all((pl >= 1) & (pl <= prompts.shape[1])):
       raise ValueError(f"sample: prompt_lengths must lie in [1, {prompts.shape[1]}], got "
                        f"{pl.tolist()}")
-  v = model.config.vocab_size
+  # Ids before prompt_lengths must lie in [0, V); the padding after them is inert.
+  active = jnp.arange(prompts.shape[1], dtype=jnp.int32)[None, :] < prompt_lengths[:, None]
+  _validation.check_ids_in_range("sample", "prompts", prompts, v, active)
+  prompts = jnp.where(active, prompts, 0)
   ids = ([] if eos_id is None else [eos_id]) + list(stop_ids)
   for s in ids:
     if not _is_int(s) or not 0 <= s < v:
@@ -338,6 +315,10 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     raise ValueError(f"sample: steps_per_chunk must be an int >= 1, got {steps_per_chunk!r}")
   if not isinstance(fused_draw, bool | np.bool_):
     raise ValueError(f"sample: fused_draw must be a bool, got {fused_draw!r}")
+  if prompts.shape[0] == 0:
+    total = prompts.shape[1] + int(max_new_tokens)
+    return SampleResult(jnp.zeros((0, total), jnp.int32), jnp.zeros((0,), jnp.int32),
+                        jnp.zeros((0, total), bool), jnp.zeros((0, total), jnp.float32))
   return _generate_jit(model, prompts, prompt_lengths, key, max_new_tokens=int(max_new_tokens),
                        temperature=float(temperature),
                        stop_ids=tuple(sorted({int(s) for s in ids})),
@@ -428,7 +409,7 @@ def _pack(lengths: np.ndarray, width: int) -> tuple[list[list[int]], np.ndarray,
 
 def score(model: CausalLM, tokens, completion_mask, *, temperature: float = 1.0,
           batch_size: int | None = None, pack: bool = False,
-          tp_mesh: Mesh | None = None) -> np.ndarray:
+          tp_mesh: Mesh | None = None) -> jax.Array:
   """The trainer's float32 log-probs of the completion tokens, from the full-sequence forward.
 
   ``out[b, t] = log p(tokens[b, t] | tokens[b, :t])`` at ``temperature`` where
@@ -451,12 +432,20 @@ def score(model: CausalLM, tokens, completion_mask, *, temperature: float = 1.0,
       (``vocab_parallel_logp``; for ``implementation="xla"`` models the usual
       ``pmax``/``psum`` log-softmax).
 
+  Token ids of each row's sequence (columns before ``L_b``) must lie in ``[0, V)`` (a
+  ValueError names the first bad one); columns at or past ``L_b`` are padding, inert
+  whatever they hold. ``B = 0`` gives a ``[0, T]`` result.
+
   Returns:
-    ``[B, T]`` float32 numpy array. Host-side (data-dependent packing); the
-    forward itself runs under ``nnx.jit``.
+    ``[B, T]`` float32 ``jax.Array``. The packing is decided on the host (it depends on
+    the data); the forward runs under ``nnx.jit``.
   """
-  tokens = np.asarray(tokens, np.int32)
-  cm = np.asarray(completion_mask, bool)
+  temperature = _validation.as_temperature("score", temperature)
+  if isinstance(temperature, jax.Array):
+    raise TypeError("score: temperature must be a concrete number (it is static), got a "
+                    "traced value")
+  tokens = np.asarray(_validation.as_ids("score", "tokens", tokens))
+  cm = np.asarray(_validation.as_mask("score", "completion_mask", completion_mask, None))
   if tokens.ndim != 2 or cm.shape != tokens.shape:
     raise ValueError(f"score: tokens and completion_mask must be [B, T] of one shape, got "
                      f"{tokens.shape} and {cm.shape}")
@@ -469,7 +458,13 @@ def score(model: CausalLM, tokens, completion_mask, *, temperature: float = 1.0,
     raise ValueError(f"score: tp_mesh takes a model with an LMHead; this model's head is a "
                      f"{type(model.head).__name__} (a sharded model runs its own head "
                      f"vocab-parallel: pass tp_mesh=None)")
+  if b == 0:
+    return jnp.zeros((0, t), jnp.float32)
   lengths = np.where(cm.any(1), t - np.argmax(cm[:, ::-1], axis=1), 0)
+  # The sequences' ids must lie in [0, V); what follows them is padding, set to 0.
+  in_seq = np.arange(t)[None, :] < lengths[:, None]
+  _validation.check_ids_in_range("score", "tokens", tokens, model.config.vocab_size, in_seq)
+  tokens = np.where(in_seq, tokens, 0).astype(np.int32)
   # Column j predicts token j + 1.
   targets = np.zeros_like(tokens)
   targets[:, :-1] = tokens[:, 1:]
@@ -516,4 +511,4 @@ def score(model: CausalLM, tokens, completion_mask, *, temperature: float = 1.0,
     n = lengths[s]
     if n > 1:  # out[.., c + j] scores token j + 1 of the sequence
       result[s, 1:n] = out[at_row[s], at_col[s]:at_col[s] + n - 1]
-  return np.where(cm, result, np.float32(0))
+  return jnp.asarray(np.where(cm, result, np.float32(0)))

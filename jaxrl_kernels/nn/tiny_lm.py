@@ -28,17 +28,20 @@ restarting at 0 per document), and any mix.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
 from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
+from jaxrl_kernels.nn.protocol import Documents as Documents
+from jaxrl_kernels.nn.protocol import KVCache as KVCache
+from jaxrl_kernels.nn.protocol import check_prefill as check_prefill
+from jaxrl_kernels.nn.protocol import check_token_ids, embed_ids
+from jaxrl_kernels.nn.protocol import documents as documents
 
 IMPLEMENTATIONS = (None, "triton", "interpret", "xla")
 
@@ -151,166 +154,6 @@ def _fold_add(x: jax.Array, axis: int) -> jax.Array:
   return _fold(jnp.add, x, axis)
 
 
-class Documents(NamedTuple):
-  """Where each document of a ``[B, T]`` layout lives, for the aligned attention.
-
-  A document is a maximal run of tokens of one row with position >= 0, one
-  segment id, and positions increasing by 1; its token at position ``p`` goes
-  to slot ``p`` of its aligned row. ``row, col0, length``: ``[N]`` (the row,
-  the column of slot 0, the number of tokens); ``doc, slot``: ``[B, T]``;
-  ``live``: tokens in a valid document; ``bad``: tokens in a document past
-  ``max_docs`` or not starting at position 0 (their outputs become NaN).
-  """
-
-  row: jax.Array
-  col0: jax.Array
-  length: jax.Array
-  doc: jax.Array
-  slot: jax.Array
-  live: jax.Array
-  bad: jax.Array
-
-  def gather(self, x: jax.Array) -> jax.Array:
-    """``[B, T, ...]`` -> ``[N, T, ...]``, document ``n`` left-aligned in row ``n``, zeros after.
-
-    Its gradient is the inverse gather (each token reads its slot's cotangent), not the
-    scatter-add that autodiff of a gather would run: a token is in at most one slot."""
-    return _doc_gather(x, self)
-
-  def query_positions(self, t: int) -> jax.Array:
-    """``[N, T]`` int32 positions of the aligned rows' queries: slot ``j`` of document ``n``
-    is at position ``j``; slots at or past its length are -1, queries that see no key. The
-    attention kernels skip a block of such rows whole, so a short document costs its own
-    length, not the row's; the document's queries keep their bits (a query's bits depend on
-    its position and the keys it sees, never on its block-mates)."""
-    j = jnp.arange(t, dtype=jnp.int32)
-    return jnp.where(j < self.length[:, None], j, -1)
-
-  def scatter(self, y: jax.Array) -> jax.Array:
-    """``[N, T, ...]`` -> ``[B, T, ...]``: each token reads its document's slot; padding
-    tokens get 0, tokens of ``bad`` documents NaN.
-
-    Its gradient is a gather too (each live token's slot reads that token's cotangent)."""
-    return _doc_scatter(y, self)
-
-
-def _expand(mask: jax.Array, ndim: int) -> jax.Array:
-  return mask.reshape(*mask.shape, *(1,) * (ndim - mask.ndim))
-
-
-def _slots_of(docs: Documents, x: jax.Array) -> jax.Array:
-  """``[N, T, ...]``: slot ``j`` of document ``n`` reads token ``(row[n], col0[n] + j)`` for
-  ``j < length[n]``, zeros after (every document the layout names, live or not)."""
-  t = x.shape[1]
-  j = jnp.arange(t)
-  cols = jnp.clip(docs.col0[:, None] + j, 0, t - 1)
-  keep = _expand(j < docs.length[:, None], x.ndim)
-  return jnp.where(keep, x[docs.row[:, None], cols], jnp.zeros((), x.dtype))
-
-
-def _tokens_of(docs: Documents, y: jax.Array, member: jax.Array) -> jax.Array:
-  """``[B, T, ...]``: token ``(b, t)`` reads slot ``t - col0[doc]`` of its document where
-  ``member``, zeros elsewhere."""
-  t = y.shape[1]
-  rel = jnp.clip(jnp.arange(t)[None, :] - docs.col0[docs.doc], 0, t - 1)
-  return jnp.where(_expand(member, y.ndim), y[docs.doc, rel], jnp.zeros((), y.dtype))
-
-
-def _in_slot(docs: Documents, t: int) -> jax.Array:
-  """``[B, T]``: the token is slot ``t - col0[doc]`` of document ``doc`` (the slots
-  :func:`_slots_of` fills): its row, and ``0 <= t - col0 < length``."""
-  b = docs.doc.shape[0]
-  rel = jnp.arange(t)[None, :] - docs.col0[docs.doc]
-  return ((docs.live | docs.bad) & (docs.row[docs.doc] == jnp.arange(b)[:, None])
-          & (rel >= 0) & (rel < docs.length[docs.doc]))
-
-
-# Each token is in at most one slot and each slot holds at most one token, so the
-# transpose of either data movement is the other direction's gather, where autodiff of a
-# gather runs a scatter-add (slower on a GPU; tests/nn/test_documents.py checks the values
-# against it). The integer document arrays get no cotangent (None).
-@jax.custom_vjp
-def _doc_gather(x, docs):
-  return _slots_of(docs, x)
-
-
-def _doc_gather_fwd(x, docs):
-  return _slots_of(docs, x), docs
-
-
-def _doc_gather_bwd(docs, dy):
-  return _tokens_of(docs, dy, _in_slot(docs, dy.shape[1])), None
-
-
-_doc_gather.defvjp(_doc_gather_fwd, _doc_gather_bwd)
-
-
-@jax.custom_vjp
-def _doc_scatter(y, docs):
-  out = jnp.where(_expand(docs.live, y.ndim), y[docs.doc, docs.slot], jnp.zeros((), y.dtype))
-  return jnp.where(_expand(docs.bad, y.ndim), jnp.full((), jnp.nan, y.dtype), out)
-
-
-def _doc_scatter_fwd(y, docs):
-  return _doc_scatter(y, docs), docs
-
-
-def _doc_scatter_bwd(docs, dout):
-  # Slot j of document n holds token (row[n], col0[n] + j) where that token is live.
-  live = jnp.where(_expand(docs.live, dout.ndim), dout, jnp.zeros((), dout.dtype))
-  return _slots_of(docs, live), None
-
-
-_doc_scatter.defvjp(_doc_scatter_fwd, _doc_scatter_bwd)
-
-
-def documents(positions: jax.Array, segment_ids: jax.Array, max_docs: int, *,
-              op: str = "TinyCausalLM") -> Documents:
-  """The :class:`Documents` of a ``[B, T]`` layout (``positions``, ``segment_ids``) for
-  attention on ``[max_docs, T]`` left-aligned rows; ``op`` names the caller in errors."""
-  b, t = positions.shape
-  pos = positions.astype(jnp.int32)
-  active = pos >= 0
-  cont = jnp.zeros((b, t), bool).at[:, 1:].set(
-      active[:, :-1] & (segment_ids[:, 1:] == segment_ids[:, :-1])
-      & (pos[:, 1:] == pos[:, :-1] + 1))
-  start = active & ~cont
-  gid = (jnp.cumsum(start.reshape(-1)) - 1).reshape(b, t).astype(jnp.int32)  # document id
-  flat = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
-  at_start = jnp.where(start, gid, max_docs).reshape(-1)  # out-of-range ids are dropped
-  first = jnp.zeros((max_docs,), jnp.int32).at[at_start].set(flat.reshape(-1), mode="drop")
-  first_pos = jnp.full((max_docs,), -1, jnp.int32).at[at_start].set(pos.reshape(-1), mode="drop")
-  length = jnp.zeros((max_docs,), jnp.int32).at[jnp.where(active, gid, max_docs).reshape(-1)].add(
-      1, mode="drop")
-  doc = jnp.clip(gid, 0, max_docs - 1)
-  live = active & (gid < max_docs) & (first_pos[doc] == 0)
-  if not any(isinstance(a, jax.core.Tracer) for a in (positions, segment_ids)):
-    n = int(np.sum(np.asarray(start)))
-    if n > max_docs:
-      raise ValueError(f"{op}: the layout holds {n} documents but max_docs={max_docs}; "
-                       f"pass max_docs >= {n}")
-    bad_start = np.argwhere(np.asarray(start) & (np.asarray(pos) != 0))
-    if bad_start.size:
-      r, c = (int(i) for i in bad_start[0])
-      raise ValueError(f"{op}: a document must start at position 0, but the one at "
-                       f"row {r}, column {c} starts at position {int(pos[r, c])}")
-  return Documents(row=first // t, col0=first % t, length=length, doc=doc,
-                   slot=jnp.clip(pos, 0, t - 1), live=live, bad=active & ~live)
-
-
-class KVCache(NamedTuple):
-  """Per-layer keys and values ``[B, max_len, heads, d]`` (activation dtype, after
-  rotary) and ``lengths [B]`` int32: row ``b`` holds positions ``0..lengths[b]-1``."""
-
-  keys: tuple[jax.Array, ...]
-  values: tuple[jax.Array, ...]
-  lengths: jax.Array
-
-  @property
-  def max_len(self) -> int:
-    return self.keys[0].shape[1]
-
-
 class Block(nnx.Module):
   """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -364,28 +207,6 @@ class Block(nnx.Module):
     attn = self._attend(q, cache_k, cache_v, q_positions=lengths[:, None],
                         kv_lengths=lengths + 1)
     return self._rest(x, attn), cache_k, cache_v
-
-
-def _is_traced(*xs) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
-def check_prefill(op: str, tokens, lengths, cache: KVCache) -> tuple[jax.Array, jax.Array]:
-  """``(tokens [B, P], lengths [B] int32)`` of a KV-cache prefill, checked against the cache:
-  one batch size, prompts that fit ``max_len``, and (when concrete) lengths in ``[1, P]``."""
-  tokens = jnp.asarray(tokens)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  b, p = tokens.shape
-  if cache.keys[0].shape[0] != b or lengths.shape != (b,):
-    raise ValueError(f"{op}: tokens {tokens.shape}, lengths {lengths.shape} and the cache's "
-                     f"batch {cache.keys[0].shape[0]} must agree on B={b}")
-  if p > cache.max_len:
-    raise ValueError(f"{op}: prompts of {p} tokens do not fit a cache of max_len={cache.max_len}")
-  if not _is_traced(lengths):
-    ls = np.asarray(lengths)
-    if not np.all((ls >= 1) & (ls <= p)):
-      raise ValueError(f"{op}: lengths must lie in [1, {p}], got {ls.tolist()}")
-  return tokens, lengths
 
 
 class TinyCausalLM(nnx.Module):
@@ -445,7 +266,7 @@ class TinyCausalLM(nnx.Module):
         position 0: a ValueError for concrete inputs, NaN hidden states for that
         document's tokens under ``jit``.
     """
-    tokens = jnp.asarray(tokens)
+    tokens = check_token_ids("TinyCausalLM", "tokens", tokens, self.config.vocab_size)
     if tokens.ndim != 2:
       raise ValueError(f"TinyCausalLM: tokens must be [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
@@ -464,7 +285,7 @@ class TinyCausalLM(nnx.Module):
       if not isinstance(max_docs, int) or max_docs < 1:
         raise ValueError(f"TinyCausalLM: max_docs must be a static int >= 1, got {max_docs!r}")
       docs = documents(jnp.asarray(positions), jnp.asarray(segment_ids), max_docs)
-    x = self.embed(tokens)
+    x = embed_ids(self.embed, tokens, self.config.vocab_size)
     for block in self.blocks:
       x, _, _ = block(x, positions, docs)
     return self.final_norm(x)
@@ -497,9 +318,10 @@ class TinyCausalLM(nnx.Module):
       ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
       prompt token (position ``lengths[b] - 1``) and the cache with ``lengths``.
     """
-    tokens, lengths = check_prefill("TinyCausalLM.prefill", tokens, lengths, cache)
+    tokens, lengths = check_prefill("TinyCausalLM.prefill", tokens, lengths, cache,
+                                    self.config.vocab_size)
     b, p = tokens.shape
-    x = self.embed(tokens)
+    x = embed_ids(self.embed, tokens, self.config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []
     for block, ck, cv in zip(self.blocks, cache.keys, cache.values):
@@ -516,13 +338,13 @@ class TinyCausalLM(nnx.Module):
     full (``lengths[b] == max_len``) writes nothing, keeps its length and gets a
     NaN hidden state (size the cache for prompt + completion: ``sample`` does).
     """
-    token = jnp.asarray(token)
+    token = check_token_ids("TinyCausalLM.decode_step", "token", token, self.config.vocab_size)
     b = cache.lengths.shape[0]
     if token.shape != (b,):
       raise ValueError(f"TinyCausalLM.decode_step: token must have shape ({b},), got "
                        f"{token.shape}")
     lengths = cache.lengths
-    x = self.embed(token[:, None])
+    x = embed_ids(self.embed, token[:, None], self.config.vocab_size)
     keys, values = [], []
     for block, ck, cv in zip(self.blocks, cache.keys, cache.values):
       x, ck, cv = block.decode(x, ck, cv, lengths)

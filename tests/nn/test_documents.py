@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import assert_bitwise_equal
 
-from jaxrl_kernels.nn.tiny_lm import documents
+from jaxrl_kernels.nn.protocol import documents
 
 # Row 0: two packed documents, then padding. Row 1: left padding, a document, then one
 # that starts at position 3 (a "bad" document: its tokens' outputs are NaN).

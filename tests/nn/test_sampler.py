@@ -171,7 +171,7 @@ def test_every_row_stopping_ends_the_loop_at_a_chunk(lm):
     (dict(fused_draw=1), "fused_draw must be a bool"),
 ])
 def test_bad_options(lm, kw, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises((ValueError, TypeError), match=match):  # TypeError: a bool temperature
     sample(lm, PROMPTS, LENS, max_new_tokens=2, key=jax.random.key(0), **kw)
 
 
