@@ -21,6 +21,16 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
 
 
+def _static_key(x) -> Any:
+  """A static argument's cache key: its type and its bits, as ``jax.jit`` keys them
+  (2 and 2.0, 1 and True, 0.0 and -0.0 are different programs)."""
+  if isinstance(x, float):
+    return (type(x), x.hex())
+  if isinstance(x, complex):
+    return (type(x), x.real.hex(), x.imag.hex())
+  return (type(x), x)
+
+
 def _differentiable(aval) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.inexact)
 
@@ -152,7 +162,8 @@ def batch_invariant(fn: Callable | None = None, *, implementation: str | None = 
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_pos = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     dyn = [leaves[i] for i in dyn_pos]
-    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
+    static = tuple((i, _static_key(leaf)) for i, leaf in enumerate(leaves)
+                   if not _is_array(leaf))
     avals = tuple(core.shaped_abstractify(x) for x in dyn)
 
     try:

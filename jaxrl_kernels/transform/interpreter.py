@@ -165,8 +165,12 @@ def _rewrite_params_in_context(eqn, opts: Options, left: list[str]) -> dict:
       params[key] = rewrite_closed_jaxpr(v, opts, left)
     elif isinstance(v, core.Jaxpr):
       params[key] = _rewrite_open_jaxpr(v, opts, left)
-    elif isinstance(v, tuple) and v and all(isinstance(b, core.ClosedJaxpr) for b in v):
-      params[key] = tuple(rewrite_closed_jaxpr(b, opts, left) for b in v)
+    elif (isinstance(v, tuple) and any(isinstance(b, core.ClosedJaxpr) for b in v)
+          and all(b is None or isinstance(b, core.ClosedJaxpr) for b in v)):
+      # custom_linear_solve holds a namedtuple (matvec, vecmat, solve, transpose_solve)
+      # with None for absent members: keep its type.
+      new = [None if b is None else rewrite_closed_jaxpr(b, opts, left) for b in v]
+      params[key] = type(v)._make(new) if hasattr(type(v), "_make") else tuple(new)
   name = eqn.primitive.name
   if name == "custom_jvp_call":
     params["jvp_jaxpr_fun"] = _jvp_thunk(eqn.params["jvp_jaxpr_fun"], params["call_jaxpr"],

@@ -293,3 +293,36 @@ def test_static_python_arguments_and_cache():
   with warnings.catch_warnings():
     warnings.simplefilter("error", tr.NotRewrittenWarning)
     g(x, 2)
+
+
+@pytest.mark.parametrize("first,second", [(2, 2.0), (1, True), (0.0, -0.0)])
+def test_static_arguments_keyed_on_type_and_bits(first, second):
+  # Equal-comparing static values are different programs (dtype, sign): keyed on type and
+  # bits, and -0.0 apart from 0.0 (which jax.jit's cache confuses).
+  def f(x, s):
+    return jnp.copysign(jnp.ones_like(x, jnp.float32), s), x + s, jnp.asarray(s)
+
+  g = batch_invariant(f)
+  x = jnp.ones(3, jnp.int32)
+  for s in (first, second):
+    got, want = g(x, s), f(x, s)
+    for a, b in zip(got, want):
+      assert a.dtype == b.dtype
+      assert np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", ["inv", "solve", "cg", "expm"])
+def test_linear_algebra_with_inner_solves(name):
+  # custom_linear_solve keeps its (matvec, vecmat, solve, transpose_solve) record.
+  import jax.scipy.linalg as sl
+  import jax.scipy.sparse.linalg as spl
+  fns = {"inv": jnp.linalg.inv, "solve": lambda a: jnp.linalg.solve(a, a[:, :1]),
+         "cg": lambda a: spl.cg(a @ a.T, jnp.ones(4, jnp.float32))[0], "expm": sl.expm}
+  a = np.eye(4, dtype=np.float32) + 0.1 * np.arange(16, dtype=np.float32).reshape(4, 4) / 16
+  fn = fns[name]
+  ref = {"inv": lambda a: np.linalg.inv(a), "solve": lambda a: np.linalg.solve(a, a[:, :1]),
+         "cg": lambda a: np.linalg.solve(a @ a.T, np.ones(4)),
+         "expm": None}[name]
+  out = batch_invariant(fn)(jnp.asarray(a))
+  expected = ref(a.astype(np.float64)) if ref is not None else fn(jnp.asarray(a))
+  _close(out, expected, tol=1e-4)
