@@ -104,7 +104,7 @@ def main():
   p.add_argument("--impls", default=",".join(IMPLS))
   p.add_argument("--decode-sweep", action="store_true",
                  help=f"decode only, (B, S) in {DECODE_SWEEP}")
-  p.add_argument("--out", default=None, help="append the markdown table to this file")
+  p.add_argument("--out", default=None, help="write the markdown table to this file (overwritten)")
   args = p.parse_args()
   iterations = 5 if args.quick else 20
   cases = [("prefill", 1, T, T)] + ([] if args.quick else [("prefill", 4, T, T)])
@@ -114,7 +114,9 @@ def main():
   rows = [_measure(impl, case, b, tq, s, args.hkv, iterations)
           for case, b, tq, s in cases for impl in args.impls.split(",")]
   dev = jax.devices()[0]
-  text = (f"\n## causal_attention ({dev.device_kind}; jax {jax.__version__}; "
+  command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+  text = (f"# causal_attention benchmark\n\n- command: `{command}`\n"
+          f"\n## causal_attention ({dev.device_kind}; jax {jax.__version__}; "
           f"{datetime.date.today().isoformat()})\n\nbf16, Hq={HQ}, Hkv={args.hkv}, D={D}; prefill "
           f"causal; decode = 1 query vs a full cache. CUPTI device time (median of {iterations}); "
           f"ratios vs the fastest jax.nn.dot_product_attention measured in the same run.\n\n"
@@ -122,7 +124,7 @@ def main():
   print(text)
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a") as f:
+    with open(args.out, "w") as f:
       f.write(text)
 
 
