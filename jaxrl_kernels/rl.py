@@ -30,8 +30,6 @@ Pure functions, jit- and grad-friendly. Conventions shared by every function:
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -62,21 +60,7 @@ LOG_RATIO_CLAMP = 20.0
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _keyword_mask(fn: _F) -> _F:
-  """Turns a positional ``mask`` (the old calling convention) into a TypeError naming it."""
-  params = inspect.signature(fn).parameters.values()
-  positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
-
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    if len(args) > len(positional):
-      raise TypeError(
-          f"{fn.__name__}: takes {len(positional)} positional arguments "
-          f"({', '.join(positional)}) but {len(args)} were given; mask and every option "
-          f"after it are keyword-only: {fn.__name__}({', '.join(positional)}, mask=mask, ...)")
-    return fn(*args, **kwargs)
-
-  return wrapper  # type: ignore[return-value]
+_keyword_mask = val.keyword_mask
 
 
 def _real(fn: str, name: str, x, *, kinds: str = "iuf") -> jax.Array:

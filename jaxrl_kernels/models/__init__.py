@@ -6,6 +6,7 @@ from jaxrl_kernels.models.config import PRESETS as PRESETS
 from jaxrl_kernels.models.config import DecoderConfig as DecoderConfig
 from jaxrl_kernels.models.config import config as config
 from jaxrl_kernels.models.config import from_hf_dict as from_hf_dict
+from jaxrl_kernels.models.config import parse_dtype as parse_dtype
 from jaxrl_kernels.models.decoder import DecoderLM as DecoderLM
 from jaxrl_kernels.models.decoder import canonical_row_chunks as canonical_row_chunks
 from jaxrl_kernels.models.hf import from_pretrained as from_pretrained

@@ -73,7 +73,7 @@ from jaxrl_kernels.gemm import (
   row_parallel_matmul,
   row_parallel_partials,
 )
-from jaxrl_kernels.models.config import DecoderConfig
+from jaxrl_kernels.models.config import DecoderConfig, parse_dtype
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
 from jaxrl_kernels.nn.norm import add_rms_norm, rms_norm
@@ -88,7 +88,6 @@ from jaxrl_kernels.nn.protocol import (
 )
 
 _INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class RMSNorm(nnx.Module):
@@ -558,11 +557,9 @@ class DecoderLM(nnx.Module):
                row_chunks: int | None = None, rngs: nnx.Rngs):
     if not isinstance(config, DecoderConfig):
       raise TypeError(f"DecoderLM: config must be a DecoderConfig, got {type(config).__name__}")
-    dt = jnp.dtype(dtype)
-    pdt = dt if param_dtype is None else jnp.dtype(param_dtype)
-    for name, d in (("dtype", dt), ("param_dtype", pdt)):
-      if d.name not in _DTYPES:
-        raise ValueError(f"DecoderLM: {name} must be one of {_DTYPES}, got {d.name!r}")
+    dt = jnp.dtype(parse_dtype("DecoderLM: dtype", dtype))
+    pdt = dt if param_dtype is None else jnp.dtype(parse_dtype("DecoderLM: param_dtype",
+                                                              param_dtype))
     if implementation is not None and implementation not in _backend.IMPLEMENTATIONS:
       raise ValueError(f"DecoderLM: implementation must be None or one of "
                        f"{_backend.IMPLEMENTATIONS}, got {implementation!r}")

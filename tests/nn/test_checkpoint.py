@@ -76,7 +76,7 @@ def test_orbax_is_imported_only_for_orbax_folders(tmp_path, monkeypatch):
 
 def test_the_package_imports_without_orbax():
   code = ("import sys; sys.modules['orbax'] = None; import jaxrl_kernels, jaxrl_kernels.nn; "
-          "import jaxrl_kernels.parity, jaxrl_kernels.nn.checkpoint; print('ok')")
+          "import jaxrl_kernels.cli.parity, jaxrl_kernels.nn.checkpoint; print('ok')")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
