@@ -130,3 +130,36 @@ def check_unseen_content_is_inert(impl, dtype, t, d):
   for gname, a, c in zip(("dq", "dk", "dv"), got[1], clean[1]):
     assert_bitwise_equal(a[:2], c[:2], f"{impl}: {gname}")
   check_unseen_rows_are_zero(got[0], got[1], pos, kvl)
+
+
+def check_default_positions_and_decode(impl, dtype, t, d):
+  """Two more layouts: the default positions (the backward's ``every_row_sees_a_key``
+  hint) with NaN in ``q`` at query ``(2, 0)`` of row 0, and a one-query decode step of
+  every row (the Mosaic kernel's heads-major layout) with NaN in a key row 0's query sees:
+  NaN there, the stock control NaN too, the other rows' bits unchanged."""
+  q, k, v, pos, kvl, d_out = batch(dtype, t, d)
+  f = jax.jit(lambda q, k, v: causal_attention(q, k, v, implementation=impl))
+  stock = jax.jit(lambda q, k, v: causal_attention(q, k, v, implementation="xla"))
+  g = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(  # noqa: E731
+      causal_attention(q, k, v, implementation=impl).astype(jnp.float32),
+      d_out.astype(jnp.float32)), argnums=(0, 1, 2)))
+  q_bad = q.at[0, 2, 0, 3].set(NAN)
+  clean, bad = np.asarray(f(q, k, v)), np.asarray(f(q_bad, k, v))
+  assert np.all(np.isnan(np.asarray(stock(q_bad, k, v))[0, 2, 0].astype(np.float32)))
+  assert np.all(np.isnan(bad[0, 2, 0].astype(np.float32))), f"{impl}: default positions"
+  assert_bitwise_equal(bad[0, 2, 1], clean[0, 2, 1], f"{impl}: the other head")
+  assert_bitwise_equal(bad[1:], clean[1:], f"{impl}: the other batch rows")
+  g_clean, g_bad = g(q, k, v), g(q_bad, k, v)
+  assert np.all(np.isnan(np.asarray(g_bad[0][0, 2, 0]).astype(np.float32)))
+  for a, c in zip(g_bad, g_clean):
+    assert_bitwise_equal(np.asarray(a)[1:], np.asarray(c)[1:], f"{impl}: gradients")
+
+  one = lambda x: x[:, -1:]  # noqa: E731
+  k_bad = k.at[0, 1, 0, 5].set(NAN)
+  step = jax.jit(lambda q, k, v, p, n: causal_attention(  # noqa: E731
+      q, k, v, q_positions=p, kv_lengths=n, implementation=impl))
+  clean = np.asarray(step(one(q), k, v, one(pos), kvl))
+  bad = np.asarray(step(one(q), k_bad, v, one(pos), kvl))
+  assert np.all(np.isnan(bad[0].astype(np.float32))), f"{impl}: decode step"
+  assert_bitwise_equal(bad[1:], clean[1:], f"{impl}: decode, the other batch rows")
+  assert np.all(np.asarray(bad[2]).astype(np.float32).view(np.uint32) == 0)

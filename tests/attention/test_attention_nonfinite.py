@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-from nonfinite_cases import cases, check_nan_propagates, check_unseen_content_is_inert
+from nonfinite_cases import (
+    cases,
+    check_default_positions_and_decode,
+    check_nan_propagates,
+    check_unseen_content_is_inert,
+)
 
 T, D = 5, 16
 IMPLS = ("cpu", "interpret")
@@ -29,3 +34,8 @@ def test_non_finite_scores_give_nan(case, impl, dtype):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_unseen_content_is_inert(impl, dtype):
   check_unseen_content_is_inert(impl, dtype, T, D)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_default_positions_and_decode_give_nan(impl):
+  check_default_positions_and_decode(impl, jnp.float32, T, D)
