@@ -34,7 +34,8 @@ def attention_reference(q, k, v, q_positions, kv_lengths, scale: float, d_out=No
   sc = np.where(vis[:, None], sc, -np.inf)
   mx = np.max(sc, axis=-1, keepdims=True)
   mx = np.where(vis.any(-1)[:, None, :, None], mx, 0.0)
-  e = np.where(vis[:, None], np.exp(sc - mx), 0.0)
+  with np.errstate(invalid="ignore"):  # inf - inf: a NaN score, kept as NaN
+    e = np.where(vis[:, None], np.exp(sc - mx), 0.0)
   den = e.sum(-1, keepdims=True)
   # A row sees a key iff its mask has one (never read from ``den``: NaN scores give NaN).
   p = e / np.where(vis.any(-1)[:, None, :, None], den, 1.0)
