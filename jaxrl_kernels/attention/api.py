@@ -32,7 +32,10 @@ hold NaN), and a query that sees no key (position -1) outputs 0 and adds
 nothing to any gradient, whatever its ``q`` or ``d_out`` hold. (A key before
 ``kv_lengths`` that a query does not see is multiplied by an exact 0 in
 ``P @ V``: finite values change no bit, but a NaN there reaches the query,
-unless it lies past the last key any query of the block sees.)
+unless it lies past the last key any query of the block sees.) Which keys a query sees
+is decided from ``q_positions`` and ``kv_lengths``, never from the softmax denominator:
+a NaN or inf score of a seen key (or a finite ``q . k`` that overflows) gives a NaN
+output and NaN gradients, as stock attention does.
 """
 
 from __future__ import annotations

@@ -188,7 +188,9 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
                          jnp.zeros((BLOCK_Q, d), jnp.float32)), qr, kr, vr, last)
     # Ascending key tiles from key 0, up to the block's last seen key.
     m, den, acc = lax.fori_loop(0, (block_last + KEY_TILE) // KEY_TILE, tile, init)
-    seen = den > 0
+    # Whether a row sees a key comes from its position (``last``), never from ``den``: a
+    # NaN or inf score makes ``den`` NaN, and the row's output and lse must be NaN too.
+    seen = lb >= 0
     o = acc / jnp.where(seen, den, 1.0)[:, None]
     # A row that sees no key gives 0; zeros are +0 (an unseen key adds a signed zero).
     o = jnp.where(seen[:, None] & (o != 0), o, 0.0)

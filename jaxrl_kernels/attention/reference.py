@@ -33,10 +33,12 @@ def attention_reference(q, k, v, q_positions, kv_lengths, scale: float, d_out=No
   sc = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
   sc = np.where(vis[:, None], sc, -np.inf)
   mx = np.max(sc, axis=-1, keepdims=True)
-  mx = np.where(np.isfinite(mx), mx, 0.0)
-  e = np.where(vis[:, None], np.exp(sc - mx), 0.0)
+  mx = np.where(vis.any(-1)[:, None, :, None], mx, 0.0)
+  with np.errstate(invalid="ignore"):  # inf - inf: a NaN score, kept as NaN
+    e = np.where(vis[:, None], np.exp(sc - mx), 0.0)
   den = e.sum(-1, keepdims=True)
-  p = e / np.where(den > 0, den, 1.0)
+  # A row sees a key iff its mask has one (never read from ``den``: NaN scores give NaN).
+  p = e / np.where(vis.any(-1)[:, None, :, None], den, 1.0)
   out = np.einsum("bhqk,bkhd->bqhd", p, vv)
   if d_out is None:
     return out

@@ -272,12 +272,14 @@ def _kernel(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_r
       pl.when(wg == 0)(schedule_sync)
 
     den_b = lax.broadcast_in_dim(den, acc.shape, [0])
-    seen_b = den_b > 0
+    # Whether a row sees a key comes from its position (``last``), never from ``den``: a
+    # NaN or inf score makes ``den`` NaN, and the row's output and lse must be NaN too.
+    seen_b = lax.broadcast_in_dim(last, acc.shape, [0]) >= 0
     out = acc / jnp.where(seen_b, den_b, 1.0)
     # A row that sees no key gives 0; zeros are written as +0.
     out = jnp.where(seen_b & (out != 0), out, 0.0)
     qo_smem[...] = out.astype(dtype)
-    seen = den > 0
+    seen = last >= 0
     lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, den, 1.0)), 0.0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[q_rows])

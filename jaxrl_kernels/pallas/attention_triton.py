@@ -202,7 +202,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pos_ref, kvl_ref, o_ref, lse_ref, *, tq, s_
           jnp.zeros((BLOCK_Q, dp), jnp.float32))
   # Ascending key tiles from key 0: the reduction order of the contract.
   m, den, acc = lax.fori_loop(0, n_tiles, body, init)
-  seen = den > 0
+  # Whether a row sees a key comes from its position (``last``), never from ``den``: a
+  # NaN or inf score makes ``den`` NaN, and the row's output and lse must be NaN too.
+  seen = last >= 0
   out = acc / jnp.where(seen, den, 1.0)[:, None]
   # A row that sees no key gives 0; zeros are written as +0 (a masked key adds
   # a signed zero whose sign could differ between a cache and a sequence).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import nonfinite_cases as nonfinite
 import numpy as np
 import pytest
 from helpers import TOL, rel_err
@@ -58,3 +59,17 @@ def test_gradients_match_the_float32_reference():
   g_ref = jax.grad(ref, argnums=(0, 1, 2))(q32, k32, v32)
   for name, a, c in zip("qkv", g1, g_ref):
     assert rel_err(a, c) <= TOL["bfloat16"][1], name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", list(nonfinite.cases(5)))
+def test_non_finite_scores_give_nan(case, dtype):
+  """NaN or inf in q or a seen key, or an overflowing q . k: NaN outputs and gradients, as
+  stock attention (tests/attention/nonfinite_cases.py); other rows keep their bits."""
+  nonfinite.check_nan_propagates(IMPL, dtype, 5, 64, case)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_unseen_content_is_inert_and_layouts_give_nan(dtype):
+  nonfinite.check_unseen_content_is_inert(IMPL, dtype, 5, 64)
+  nonfinite.check_default_positions_and_decode(IMPL, dtype, 5, 64)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import nonfinite_cases as nonfinite
 import numpy as np
 import pytest
 from helpers import TOL, assert_bitwise_equal, rel_err
@@ -464,3 +465,19 @@ def test_default_positions_keep_the_gradient_bits(t, hq, hkv):
   q_nan, do_nan = q.at[:, -1].set(jnp.nan), d_out.at[:, -1].set(jnp.nan)
   for name, g in zip("qkv", grads(q_nan, k, v, pad, kvl, do_nan), strict=True):
     assert np.all(np.isfinite(np.asarray(g, np.float32))), f"d{name} with a NaN padding row"
+
+
+@pytest.mark.parametrize("d", [64, 128])  # 128: the Mosaic backward; 64: the Triton one
+@pytest.mark.parametrize("case", list(nonfinite.cases(5)))
+def test_non_finite_scores_give_nan(case, d):
+  """NaN or inf in q or a seen key, or an overflowing q . k: NaN outputs and gradients, as
+  stock attention (tests/attention/nonfinite_cases.py); other rows keep their bits."""
+  nonfinite.check_nan_propagates(IMPL, jnp.bfloat16, 5, d, case)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_unseen_content_is_inert_and_layouts_give_nan(d):
+  """Padding inert; the default positions (the backward's every_row_sees_a_key hint) and a
+  decode step (the heads-major layout) propagate NaN."""
+  nonfinite.check_unseen_content_is_inert(IMPL, jnp.bfloat16, 5, d)
+  nonfinite.check_default_positions_and_decode(IMPL, jnp.bfloat16, 5, d)
