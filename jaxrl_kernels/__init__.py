@@ -31,9 +31,9 @@ from jaxrl_kernels.reduce import det_cumprod as det_cumprod
 from jaxrl_kernels.reduce import det_cumsum as det_cumsum
 from jaxrl_kernels.reduce import det_prod as det_prod
 from jaxrl_kernels.reduce import det_sum as det_sum
-from jaxrl_kernels.reductions import masked_count as masked_count
-from jaxrl_kernels.reductions import masked_mean as masked_mean
-from jaxrl_kernels.reductions import masked_sum as masked_sum
+from jaxrl_kernels.reduce.masked import masked_count as masked_count
+from jaxrl_kernels.reduce.masked import masked_mean as masked_mean
+from jaxrl_kernels.reduce.masked import masked_sum as masked_sum
 from jaxrl_kernels.transform import NotRewrittenWarning as NotRewrittenWarning
 from jaxrl_kernels.transform import batch_invariant as batch_invariant
 

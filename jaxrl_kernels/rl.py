@@ -20,7 +20,7 @@ Pure functions, jit- and grad-friendly. Conventions shared by every function:
   (e.g. a schedule inside ``jit``). Concrete values are range-checked eagerly;
   traced ones with ``checkify.debug_check`` (active under ``checkify.checkify``).
 * Denominators are global: token and sequence counts go through
-  :mod:`jaxrl_kernels.reductions` with ``axis_names`` (the mesh axes the rows or
+  :mod:`jaxrl_kernels.reduce.masked` with ``axis_names`` (the mesh axes the rows or
   tokens are split over, inside ``shard_map``), so a loss is the same however
   the batch is split. ``denominator=`` replaces the count by a number known from
   outside, e.g. the step total of a gradient-accumulation loop
@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import checkify
 
 from jaxrl_kernels import _validation as val
-from jaxrl_kernels.reductions import (
+from jaxrl_kernels.reduce.masked import (
     AxisNames,
     as_axis_names,
     masked_count,
@@ -231,7 +231,7 @@ def kl(logp: jax.Array, ref_logp: jax.Array, *, mask: jax.Array | None = None,
     kind: ``"k1"``, ``"k2"`` or ``"k3"``.
 
   Returns:
-    ``[..., T]`` float32; reduce it with :func:`~jaxrl_kernels.reductions.masked_mean`.
+    ``[..., T]`` float32; reduce it with :func:`~jaxrl_kernels.reduce.masked.masked_mean`.
   """
   fn = "kl"
   kind = val.check_choice(fn, "kind", kind, KL_KINDS)

@@ -17,9 +17,9 @@ from helpers import assert_bitwise_equal, wide_rows
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import jaxrl_kernels.reductions as reductions_module
+import jaxrl_kernels.reduce.masked as reductions_module
 from jaxrl_kernels._compat import shard_map
-from jaxrl_kernels.reductions import masked_count, masked_mean, masked_sum
+from jaxrl_kernels.reduce.masked import masked_count, masked_mean, masked_sum
 
 N = 96  # tokens; divisible by 1, 2, 3, 4, 8
 FP32_TOL = 1e-5

@@ -27,6 +27,7 @@ device except ``"xla"``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -42,7 +43,34 @@ from jaxrl_kernels.contract import REDUCE_LANES as REDUCE_LANES
 from jaxrl_kernels.reduce import fixed_order
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-_SUPPORTED = ("mosaic", "triton", "interpret", "cuda", "cpu", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceBackend:
+  """One implementation of the reductions; its capabilities are fields.
+
+  Attributes:
+    name: the implementation that runs (``"mosaic"`` and ``"cuda"`` run ``"triton"``).
+    stock: XLA's own ``jnp.sum`` / ``jnp.prod`` / ``jnp.cumsum`` (order not fixed).
+    kernel: rows wider than one lane step run the Pallas kernel.
+    interpret: the kernel runs on the Pallas CPU interpreter.
+  """
+  name: str
+  stock: bool = False
+  kernel: bool = False
+  interpret: bool = False
+
+
+_TRITON = ReduceBackend("triton", kernel=True)
+BACKENDS: dict[str, ReduceBackend] = {
+    "mosaic": _TRITON,
+    "cuda": _TRITON,
+    "triton": _TRITON,
+    "interpret": ReduceBackend("interpret", kernel=True, interpret=True),
+    "cpu": ReduceBackend("cpu"),
+    "xla": ReduceBackend("xla", stock=True),
+}
+_SUPPORTED = tuple(BACKENDS)
 
 Axis = int | Sequence[int] | None
 
@@ -50,9 +78,7 @@ Axis = int | Sequence[int] | None
 def resolve_implementation(op: str, implementation: str | None, dtype) -> str:
   """The implementation ``op`` runs: ``"triton"``, ``"interpret"``, ``"cpu"`` or ``"xla"``."""
   impl = _backend.resolve(op, implementation, dtype, supported=_SUPPORTED)
-  if impl in ("mosaic", "cuda"):
-    impl = "triton"
-  return impl
+  return BACKENDS[impl].name
 
 
 def _check_float(op: str, x: jax.Array) -> None:
@@ -80,16 +106,17 @@ def _axes(op: str, axis: Axis, ndim: int) -> tuple[int, ...]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _reduce2d(x2, op: str, impl: str):
-  if impl == "xla":
+  backend = BACKENDS[impl]
+  if backend.stock:
     stock = jnp.sum if op == "sum" else jnp.prod
     return stock(x2, axis=1)
   if x2.shape[1] == 0 or x2.shape[0] == 0:
     return jnp.full((x2.shape[0],), 0.0 if op == "sum" else 1.0, x2.dtype)
-  if impl == "cpu" or x2.dtype == jnp.float64 or x2.shape[1] <= REDUCE_LANES:
+  if not backend.kernel or x2.dtype == jnp.float64 or x2.shape[1] <= REDUCE_LANES:
     # Rows of at most one lane step (a sum over a size-1 or short axis) are one fused
     # elementwise pass in XLA, the kernel's bits (fixed_order.reduce_rows).
     return fixed_order.reduce_rows(x2, op=op, lanes=REDUCE_LANES, out_dtype=x2.dtype)
-  return _kernel_rows(x2, op=op, interpret=impl == "interpret")
+  return _kernel_rows(x2, op=op, interpret=backend.interpret)
 
 
 # One jitted function per kernel shape, however many calls (_backend.kernel_jit).
@@ -178,7 +205,7 @@ def _cumulative(op_name: str, op: str, x, axis: int, reverse: bool,
     raise TypeError(f"{op_name}: reverse must be a bool, got {reverse!r}")
   (ax,) = _axes(op_name, axis, x.ndim)
   impl = resolve_implementation(op_name, implementation, x.dtype)
-  if impl == "xla":
+  if BACKENDS[impl].stock:
     stock = {"cumsum": jax.lax.cumsum, "cumprod": jax.lax.cumprod,
              "cumlogsumexp": jax.lax.cumlogsumexp}[op]
     return stock(x, axis=ax, reverse=reverse)
