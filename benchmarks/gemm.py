@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -139,10 +141,10 @@ def main():
   head = (f"device: {dev.device_kind}; jax {jax.__version__}; "
           f"date {datetime.date.today().isoformat()}; bf16 inputs and outputs, fp32 accumulation; "
           f"TFLOP/s from CUPTI kernel time (f+b counts 3 GEMMs), weights rotated past L2; "
-          f"ratio = impl / jnp.dot")
+          f"ratio = impl / jnp.dot; command: python3 {shlex.join(sys.argv)}")
   print(head)
   print(_header(impls, not args.no_bwd), flush=True)
-  if args.out:  # rows are appended as they are measured, so a cut run keeps them
+  if args.out:  # a run replaces the file; rows are appended as measured, so a cut run keeps them
     with open(args.out, "w") as fh:
       fh.write(head + "\n\n" + _header(impls, not args.no_bwd) + "\n")
   rows = run(impls, ms, kns, fwd_bwd=not args.no_bwd, out=args.out)

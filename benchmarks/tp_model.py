@@ -346,7 +346,7 @@ def main(argv=None) -> int:
   table = "\n".join(out)
   print(table)
   if args.out:
-    with open(args.out, "a") as f:
+    with open(args.out, "w") as f:
       f.write(table + "\n")
   return 0
 

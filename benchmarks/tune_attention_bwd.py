@@ -139,7 +139,7 @@ def main() -> int:
   text = "\n".join(lines)
   print(text)
   if args.out:
-    with open(args.out, "a") as fh:
+    with open(args.out, "w") as fh:
       fh.write(text + "\n")
   return 0
 
