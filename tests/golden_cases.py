@@ -144,6 +144,22 @@ def rl_objective(impl, dtype):
   return {"loss": value, "dlogp": grad}
 
 
+def cpu_tiles(impl, dtype):
+  """Shapes across the CPU implementation's row, column and vocab blocks (contract.CPU_*):
+  300 rows and columns (CPU_ROW_BLOCK, CPU_COL_BLOCK = 128), 1500 vocab columns
+  (CPU_VOCAB_CHUNK = 1024), 300 keys (CPU_ATTENTION_KEY_TILE = 128)."""
+  rng = np.random.default_rng(9)
+  a, b = _wide(rng, (300, 96), dtype), _plain(rng, (96, 300), dtype, 0.1)
+  h, w = _wide(rng, (150, 64), dtype), _plain(rng, (64, 1500), dtype, 0.05)
+  t = jnp.asarray(rng.integers(0, 1500, 150), jnp.int32)
+  q = _plain(rng, (1, 300, 2, 32), dtype)
+  kv = _plain(rng, (1, 300, 1, 32), dtype)
+  return {"det_matmul": jax.jit(lambda a, b: jk.det_matmul(a, b, implementation=impl))(a, b),
+          "linear_logp": jax.jit(lambda h, w: jk.linear_logp(h, w, t, implementation=impl))(h, w),
+          "attention": jax.jit(lambda q, k: jk.causal_attention(q, k, k, implementation=impl))(
+              q, kv)}
+
+
 # op -> (function, implementations it has among CPU_ and GPU_IMPLEMENTATIONS, dtypes per
 # implementation). Mosaic runs 16-bit inputs only; rl has no implementation argument.
 CASES = {
@@ -155,6 +171,7 @@ CASES = {
     "rms_norm": (rms_norm_case, ("cpu", "interpret", "triton")),
     "decoder_logp": (decoder_logp, ("cpu", "interpret", "triton", "mosaic")),
     "rl": (rl_objective, ("cpu",)),
+    "cpu_tiles": (cpu_tiles, ("cpu", "interpret")),
 }
 
 

@@ -55,6 +55,22 @@ def test_today_s_values():
           contract.ATTENTION_TRITON_FWD_NUM_STAGES) == (4, 2)
   assert (contract.ATTENTION_MOSAIC_BLOCK_Q, contract.ATTENTION_MOSAIC_KEY_TILE) == (64, 128)
   assert contract.ROW_PARALLEL_CHUNKS == 8
+  assert contract.LOGITS_BLOCK_H_TRITON == {"bfloat16": 64, "float16": 64, "float32": 32}
+  assert contract.LOGITS_BLOCK_H_INTERPRET == 64
+  assert contract.REDUCE_LANES == 128
+  # The "cpu" implementation's blocks. Not every change of one shows in the golden digests
+  # (tests/test_golden.py): XLA's CPU GEMM may give a row the same bits at another block
+  # height on one machine and not on another, so the values are pinned here.
+  assert (contract.CPU_ROW_BLOCK, contract.CPU_COL_BLOCK, contract.CPU_VOCAB_CHUNK) == (
+      128, 128, 1024)
+  assert (contract.CPU_ATTENTION_BLOCK_Q, contract.CPU_ATTENTION_KEY_TILE) == (32, 128)
+
+
+def test_every_contract_constant_is_pinned():
+  """A constant added to contract.py without its value in test_today_s_values fails here."""
+  names = {n for n in vars(contract) if n.isupper() and not n.startswith("_")}
+  source = inspect.getsource(test_today_s_values)
+  assert sorted(n for n in names if f"contract.{n}" not in source) == []
 
 
 def test_row_parallel_default_is_the_contracts():

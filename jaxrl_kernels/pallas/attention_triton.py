@@ -52,8 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_kernels import contract
+from jaxrl_kernels.pallas import fixed_order
 from jaxrl_kernels.pallas._common import LOG2E, cdiv, dot_precision, triton_compiler_params
-from jaxrl_kernels.reduce import fixed_order
 
 # The contract's forward constants (with the head-dim padding): queries per
 # program, the key tile walked in ascending order from key 0, and the compiler
@@ -462,7 +462,7 @@ def delta_rows(out, d_out):
   feeds a dK/dV kernel on its own, as its tests do).
 
   Each row's products (exact in float32 for 16-bit inputs) are summed in one fixed order
-  (``reduce.fixed_order.reduce_rows``: elementwise adds XLA cannot reassociate), so a row's
+  (``pallas.fixed_order.reduce_rows``: elementwise adds XLA cannot reassociate), so a row's
   bits depend on its own ``D`` values only. XLA's own row reduction picks its order by the
   shape: the same rows in another layout (the GQA fold) gave other bits on an H100, and
   with them other ``dq`` bits.

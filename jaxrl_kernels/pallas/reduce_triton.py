@@ -8,7 +8,7 @@ folded in halves (``lo + hi``, ``lanes / 2`` wide, and so on down to one).
 Nothing in that order depends on R, on the row's position or on the tuning
 knobs, and columns past N read the identity, so a row's result is the same
 bits whatever the batch, and trailing exact zeros (masked keys, padding) never
-change a sum. ``jaxrl_kernels/reduce/fixed_order.py`` runs the same operations
+change a sum. ``jaxrl_kernels/pallas/fixed_order.py`` runs the same operations
 in plain XLA.
 """
 
