@@ -84,3 +84,14 @@ def run_without_fma(script: str) -> dict:
     pytest.skip("XLA's CPU compiler does not contract a*b+c on this machine (no FMA): "
                 "nothing to prove here")
   return out
+
+
+def fuzz(n: int):
+  """Hypothesis settings of the bounded fuzz modules: ``n`` examples, derandomized, no example
+  database, no shrinking (a compiled kernel per shrink step would blow the CI budget; a
+  failing example is reported as drawn), no deadline."""
+  from hypothesis import HealthCheck, Phase, settings  # noqa: PLC0415 - tests only
+
+  return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                  phases=(Phase.explicit, Phase.generate),
+                  suppress_health_check=list(HealthCheck))

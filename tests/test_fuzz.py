@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from helpers import fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -36,14 +37,6 @@ from jaxrl_kernels.train import Trainer
 COUNTS: collections.Counter = collections.Counter()
 CLAMP = rl.LOG_RATIO_CLAMP
 VOCAB_TILE = 128  # contract.VOCAB_TILE: the vocab tile TP shards are aligned to
-
-
-def fuzz(n: int):
-  # No shrinking: a compiled kernel per shrink step would blow the CI budget; the failing
-  # example is reported as drawn.
-  return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_bitwise_equal
-from hypothesis import HealthCheck, Phase, given, settings
+from helpers import assert_bitwise_equal, fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
@@ -37,12 +37,6 @@ from jaxrl_kernels.nn.sampler import sample, score
 COUNTS: collections.Counter = collections.Counter()
 V = 160  # not a multiple of the 128-wide vocab tile
 B, P, N = 3, 5, 3
-
-
-def fuzz(n: int):
-  return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,8 +26,8 @@ import collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bitwise_equal
-from hypothesis import HealthCheck, Phase, given, settings
+from helpers import assert_bitwise_equal, fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 from nonfinite_cases import HKV, HQ, run
 
@@ -42,13 +42,6 @@ POSITIONS = {
 }
 VALUES = (float("nan"), float("inf"), -float("inf"), 1e20)
 ATOL = {"float32": 1e-4, "bfloat16": 3e-2}  # times max |v|
-
-
-def fuzz(n: int):
-  # No shrinking: a compiled kernel per shrink step would blow the CI budget.
-  return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module", autouse=True)

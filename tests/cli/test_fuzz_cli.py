@@ -16,18 +16,13 @@ import json
 import struct
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from helpers import fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxrl_kernels.cli import main
 
 COUNTS: collections.Counter = collections.Counter()
-
-
-def fuzz(n: int):
-  return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_bitwise_equal
-from hypothesis import HealthCheck, Phase, given, settings
+from helpers import assert_bitwise_equal, fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxrl_kernels import models
@@ -36,12 +36,6 @@ TINY = dict(num_hidden_layers=1, vocab_size=160, hidden_size=64, intermediate_si
 PRESET = {"llama": "llama-3.2-1b", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-8b"}
 TOKENS = np.random.default_rng(3).integers(0, TINY["vocab_size"], (2, 9)).astype(np.int32)
 SHARD_BYTES = 40_000  # a float32 tiny model in 3-5 shards
-
-
-def fuzz(n: int):
-  return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module", autouse=True)
