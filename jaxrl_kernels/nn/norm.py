@@ -22,6 +22,7 @@ per column.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,36 @@ from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.gemm.row_parallel import pairwise_tree
 
-_SUPPORTED = ("mosaic", "triton", "interpret", "cuda", "cpu", "xla")
+
+@dataclasses.dataclass(frozen=True)
+class NormBackend:
+  """One implementation of ``rms_norm`` / ``add_rms_norm`` (forward; the backward is the
+  float32 formula under JAX's autodiff for all of them).
+
+  Attributes:
+    name: the implementation the call runs (every GPU name runs the one Triton kernel).
+    kernel: the Pallas row kernel (``pallas/rmsnorm_triton.py``); else the XLA formula with
+      ``tree_sum`` (the ``"cpu"`` form, guarded).
+    interpret: the kernel under the Pallas interpreter.
+    stock: ``jnp.mean`` under JAX's own autodiff, the baseline (not batch-invariant).
+  """
+
+  name: str
+  kernel: bool = False
+  interpret: bool = False
+  stock: bool = False
+
+
+_TRITON = NormBackend("triton", kernel=True)
+# The one dispatch table: implementation name -> the backend it runs.
+BACKENDS: dict[str, NormBackend] = {
+    "mosaic": _TRITON,
+    "triton": _TRITON,
+    "cuda": _TRITON,
+    "interpret": NormBackend("interpret", kernel=True, interpret=True),
+    "cpu": NormBackend("cpu"),
+    "xla": NormBackend("xla", stock=True),
+}
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
@@ -82,13 +112,14 @@ def _kernel(x2, weight, partials, bias, *, eps: float, interpret: bool):
 
 def _forward(x, weight, partials, bias, eps: float, impl: str):
   """``(x', y)`` (``x' = x`` without partials) of implementation ``impl`` (not ``"xla"``)."""
-  if impl == "cpu" or x.size == 0:
+  be = BACKENDS[impl]
+  if not be.kernel or x.size == 0:
     x = x if partials is None else _residual(x, partials, bias)
     return x, _formula(x, weight, eps, stock=False)
   n = x.shape[-1]
   x2 = x.reshape(-1, n)
   p2 = None if partials is None else partials.reshape(partials.shape[0], -1, n)
-  out = _kernel(x2, weight, p2, bias, eps=eps, interpret=impl == "interpret")
+  out = _kernel(x2, weight, p2, bias, eps=eps, interpret=be.interpret)
   if partials is None:
     return x, out.reshape(x.shape)
   return out[0].reshape(x.shape), out[1].reshape(x.shape)
@@ -152,10 +183,8 @@ def _check(op, x, weight, eps, implementation):
     raise ValueError(f"{op}: weight must have shape {x.shape[-1:]} (x's last axis), got "
                      f"{weight.shape}")
   eps = _validation.as_scalar(op, "eps", eps, positive=True, allow_traced=False)
-  impl = _backend.resolve(op, implementation, x.dtype, supported=_SUPPORTED)
-  if impl in ("mosaic", "cuda"):
-    impl = "triton"  # one RMSNorm kernel for every GPU implementation
-  return x, weight, float(eps), impl
+  impl = _backend.resolve(op, implementation, x.dtype, supported=tuple(BACKENDS))
+  return x, weight, float(eps), BACKENDS[impl].name
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float,
@@ -182,7 +211,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float,
   [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
   """
   x, weight, eps, impl = _check("rms_norm", x, weight, eps, implementation)
-  if impl == "xla":  # the stock baseline: plain ops under jax's own autodiff
+  if BACKENDS[impl].stock:  # the baseline: plain ops under jax's own autodiff
     return _formula(x, weight, eps, stock=True)
   return _rms_norm(x, weight, eps, impl)
 
@@ -223,7 +252,7 @@ def add_rms_norm(x: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: f
     _validation.check_float_array(op, "bias", bias)
     if bias.shape != x.shape[-1:]:
       raise ValueError(f"{op}: bias must have shape {x.shape[-1:]}, got {bias.shape}")
-  if impl == "xla":  # the stock baseline: plain ops under jax's own autodiff
+  if BACKENDS[impl].stock:  # the baseline: plain ops under jax's own autodiff
     x = _residual(x, partials, bias)
     return x, _formula(x, weight, eps, stock=True)
   return _add_rms_norm(x, partials, weight, bias, eps, impl, c)
