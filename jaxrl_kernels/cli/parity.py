@@ -350,29 +350,23 @@ def parity_report(args, mesh: jax.sharding.Mesh | None = None) -> bool:
 TINY_LM_PRESETS = ("test", "tiny", "small")
 
 
-def _positive_int(text: str) -> int:
-  """argparse type: an int >= 1 (argparse names the flag in its error)."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-  return value
+def _int_at_least(minimum: int):
+  """An argparse type: an int >= ``minimum`` (argparse names the flag in its error)."""
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = None
+    if value is None or value < minimum:
+      raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {text!r}")
+    return value
+
+  return parse
 
 
-def non_negative_int(text: str) -> int:
-  """argparse type: an int >= 0."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-  return value
-
-
-positive_int = _positive_int
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 SEED_MAX = 2**32 - 1
 
@@ -476,11 +470,11 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--temperature", type=temperature, default=1.0)
   p.add_argument("--tp", type=positive_int, default=1,
                  help="also recompute with the LM head vocab-parallel over N devices")
-  p.add_argument("--rollout-tp", type=_positive_int, default=None, metavar="N",
+  p.add_argument("--rollout-tp", type=positive_int, default=None, metavar="N",
                  help="sample with the whole DecoderLM tensor-parallel over N devices "
                       "(models.shard), then score as --train-fsdp says; only this section "
                       "runs (None: 1 when --train-fsdp is given)")
-  p.add_argument("--train-fsdp", type=_positive_int, default=None, metavar="M",
+  p.add_argument("--train-fsdp", type=positive_int, default=None, metavar="M",
                  help="score the samples with the DecoderLM fully sharded over M devices "
                       "and unsharded (None: 1 when --rollout-tp is given)")
   p.add_argument("--model-fn", type=_model_fn_spec, default=None, metavar="MODULE:FUNCTION",
