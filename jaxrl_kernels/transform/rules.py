@@ -77,13 +77,15 @@ def _products_cpu(a: jax.Array, w: jax.Array, *, transpose_b: bool, out_dtype) -
   return reduce_api.det_sum(prod, axis=-1, implementation="cpu").astype(out_dtype)
 
 
-def dot_general(opts: Options, eqn, lhs, rhs):
+def dot_general(opts: Options, eqn, lhs, rhs, *, activations: bool = False):
   """``dot_general`` as ``det_matmul``: batch dims vmapped, free dims flattened into
   rows (M) and columns (N), contracting dims into K in their listed order.
 
   The weight (the ``det_matmul`` right operand, which picks the kernel) is the
   operand with fewer free dimensions, the right one on a tie: ``x @ W`` and
   ``einsum("btd,df->btf")`` take ``W``; ``einsum("df,btd->btf")`` too.
+  ``activations`` (a product of two activations, ``interpreter.activation_products``)
+  takes the path of products with batch dimensions even where there are none left.
   """
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   out_aval = eqn.outvars[0].aval
@@ -115,7 +117,7 @@ def dot_general(opts: Options, eqn, lhs, rhs):
     w = jnp.transpose(wt, list(wt_b) + wt_f + list(wt_c)).reshape(b, n, k)
   else:
     w = jnp.transpose(wt, list(wt_b) + list(wt_c) + wt_f).reshape(b, k, n)
-  impl = _gemm_impl(opts, batched=bool(lb))
+  impl = _gemm_impl(opts, batched=bool(lb) or activations)
   if impl == "products":
     out = _products_cpu(a, w, transpose_b=transpose_b, out_dtype=out_dtype)
     if swap:
