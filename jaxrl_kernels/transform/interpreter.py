@@ -52,9 +52,11 @@ def _sub_jaxprs(params: dict) -> bool:
 
 def needs_rewrite(jaxpr: core.Jaxpr) -> bool:
   """Whether any equation (at any depth) has a rule or is unsupported."""
+  guarded = _backend.platform() == "cpu"  # element-wise rules apply on the CPU only
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in rules_mod.RULES or name in rules_mod.UNSUPPORTED:
+    if name in rules_mod.UNSUPPORTED or (
+        name in rules_mod.RULES and (guarded or name not in rules_mod.ELEMENTWISE)):
       return True
     for v in eqn.params.values():
       for sub in (v if isinstance(v, tuple) else (v,)):

@@ -298,6 +298,8 @@ TRANSCENDENTAL = frozenset({
     "igammac", "bessel_i0e", "bessel_i1e"})
 #: Products, which LLVM may contract with the add that consumes them (one FMA).
 PRODUCTS = frozenset({"mul", "integer_pow", "square"})
+#: The primitives :func:`elementwise` guards.
+ELEMENTWISE = TRANSCENDENTAL | PRODUCTS
 
 
 def elementwise(opts: Options, eqn, *invals):
@@ -327,7 +329,7 @@ RULES: dict[str, Callable] = {
     "cumlogsumexp": _cumulative(reduce_api.det_cumlogsumexp),
     "scatter-add": scatter_add,
     "scatter_add": scatter_add,
-    **{name: elementwise for name in sorted(TRANSCENDENTAL | PRODUCTS)},
+    **{name: elementwise for name in sorted(ELEMENTWISE)},
 }
 
 #: Reductions whose result does not depend on the order, kept as they are.
