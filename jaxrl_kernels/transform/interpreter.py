@@ -52,9 +52,11 @@ def _sub_jaxprs(params: dict) -> bool:
 
 def needs_rewrite(jaxpr: core.Jaxpr) -> bool:
   """Whether any equation (at any depth) has a rule or is unsupported."""
+  guarded = _backend.platform() == "cpu"  # element-wise rules apply on the CPU only
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in rules_mod.RULES or name in rules_mod.UNSUPPORTED:
+    if name in rules_mod.UNSUPPORTED or (
+        name in rules_mod.RULES and (guarded or name not in rules_mod.ELEMENTWISE)):
       return True
     for v in eqn.params.values():
       for sub in (v if isinstance(v, tuple) else (v,)):
@@ -197,12 +199,51 @@ def _not_rewritten(eqn, why: str, opts: Options, left: list[str]) -> None:
   left.append(msg)
 
 
-def _apply(eqn, invals, opts: Options, left: list[str]):
+#: Primitives whose output is a rearrangement (or a cast) of their first operand: a weight
+#: passed through them is still a weight.
+_LAYOUT = frozenset({
+    "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
+    "slice", "dynamic_slice", "gather", "copy", "copy_p", "rev", "reduce_precision"})
+
+
+def activation_products(jaxpr: core.Jaxpr) -> set[int]:
+  """The indices of the ``dot_general`` equations of ``jaxpr`` that multiply two activations.
+
+  A weight is an input of ``jaxpr`` (or a constant), possibly rearranged (:data:`_LAYOUT`:
+  transposed, reshaped, cast, sliced, gathered from). A product is activation x activation
+  when neither operand is a weight (``q @ k.T`` with ``q``, ``k`` computed from the batch),
+  or when both operands come from a ``squeeze`` (``jnp.matmul`` drops the batch
+  dimensions that are 1 on both sides, so ``q @ k`` at batch 1 has none left). Such a
+  product runs the batched path (:func:`rules.dot_general`) whatever its batch
+  dimensions, so its bits do not depend on whether the batch was squeezed away.
+  """
+  weights = set(jaxpr.invars) | set(jaxpr.constvars)
+  squeezed: set = set()
+  found: set[int] = set()
+
+  def weight(v) -> bool:
+    return isinstance(v, core.Literal) or v in weights
+
+  for i, eqn in enumerate(jaxpr.eqns):
+    name = eqn.primitive.name
+    if name == "dot_general":
+      a, b = eqn.invars[:2]
+      if (a in squeezed and b in squeezed) or not (weight(a) or weight(b)):
+        found.add(i)
+    elif name in _LAYOUT and eqn.invars and weight(eqn.invars[0]):
+      weights.update(eqn.outvars)
+    if name == "squeeze":
+      squeezed.update(eqn.outvars)
+  return found
+
+
+def _apply(eqn, invals, opts: Options, left: list[str], activations: bool = False):
   name = eqn.primitive.name
   rule = rules_mod.RULES.get(name)
   if rule is not None:
     try:
-      out = rule(opts, eqn, *invals)
+      out = rule(opts, eqn, *invals, activations=activations) if name == "dot_general" else (
+          rule(opts, eqn, *invals))
     except Unsupported as e:
       _not_rewritten(eqn, str(e), opts, left)
       out = None
@@ -257,11 +298,12 @@ def eval_jaxpr(jaxpr: core.Jaxpr, consts, args, opts: Options, left: list[str]) 
     env[v] = c
   for v, a in zip(jaxpr.invars, args):
     env[v] = a
-  for eqn in jaxpr.eqns:
+  products = activation_products(jaxpr)
+  for i, eqn in enumerate(jaxpr.eqns):
     invals = [read(v) for v in eqn.invars]
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=eqn.source_info.name_stack):
-      out = _apply(eqn, invals, opts, left)
+      out = _apply(eqn, invals, opts, left, activations=i in products)
     outs = out if eqn.primitive.multiple_results else [out]
     for v, o in zip(eqn.outvars, outs):
       if not isinstance(v, core.DropVar):

@@ -73,17 +73,19 @@ def _products_cpu(a: jax.Array, w: jax.Array, *, transpose_b: bool, out_dtype) -
   over K by ``det_sum``: each element's order is the reduce op's lane order over
   its own K terms, whatever M and N, and trailing zero terms add nothing."""
   w_nk = w if transpose_b else jnp.swapaxes(w, 1, 2)
-  prod = a.astype(jnp.float32)[:, :, None, :] * w_nk.astype(jnp.float32)[:, None, :, :]
+  prod = guard(a.astype(jnp.float32)[:, :, None, :] * w_nk.astype(jnp.float32)[:, None, :, :])
   return reduce_api.det_sum(prod, axis=-1, implementation="cpu").astype(out_dtype)
 
 
-def dot_general(opts: Options, eqn, lhs, rhs):
+def dot_general(opts: Options, eqn, lhs, rhs, *, activations: bool = False):
   """``dot_general`` as ``det_matmul``: batch dims vmapped, free dims flattened into
   rows (M) and columns (N), contracting dims into K in their listed order.
 
   The weight (the ``det_matmul`` right operand, which picks the kernel) is the
   operand with fewer free dimensions, the right one on a tie: ``x @ W`` and
   ``einsum("btd,df->btf")`` take ``W``; ``einsum("df,btd->btf")`` too.
+  ``activations`` (a product of two activations, ``interpreter.activation_products``)
+  takes the path of products with batch dimensions even where there are none left.
   """
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   out_aval = eqn.outvars[0].aval
@@ -115,7 +117,7 @@ def dot_general(opts: Options, eqn, lhs, rhs):
     w = jnp.transpose(wt, list(wt_b) + wt_f + list(wt_c)).reshape(b, n, k)
   else:
     w = jnp.transpose(wt, list(wt_b) + list(wt_c) + wt_f).reshape(b, k, n)
-  impl = _gemm_impl(opts, batched=bool(lb))
+  impl = _gemm_impl(opts, batched=bool(lb) or activations)
   if impl == "products":
     out = _products_cpu(a, w, transpose_b=transpose_b, out_dtype=out_dtype)
     if swap:
@@ -256,6 +258,68 @@ def scatter_add(opts: Options, eqn, operand, indices, updates):
   return _as_out_type(out, out_aval)
 
 
+def _uint_of(dtype):
+  return {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+
+
+def _opaque_zero(x: jax.Array, udtype) -> jax.Array:
+  """A ``udtype`` scalar that is always 0, computed from ``x``'s first element
+  (``n (n + 1)`` is even; ``_cpu.opaque_zero`` explains why no compiler sees it)."""
+  n = lax.bitcast_convert_type(jnp.reshape(x, (-1,))[0], _uint_of(x.dtype)).astype(udtype)
+  return (n * (n + udtype(1))) & udtype(1)
+
+
+@jax.custom_jvp
+def guard(x: jax.Array) -> jax.Array:
+  """``x`` (any float dtype) unchanged, after an integer XOR of its bits with an opaque
+  zero: its consumer sees an integer-to-float bitcast, not the op that made it, so XLA's
+  CPU compiler can neither contract a product with the add that consumes it (FMA) nor
+  fold the op that made an input into an element-wise function's own code, whatever it
+  fuses (``jaxrl_kernels._cpu.guard``, for any float width)."""
+  if x.size == 0:
+    return x
+  u = _uint_of(x.dtype)
+  bits = lax.bitcast_convert_type(x, u) ^ _opaque_zero(x, u)
+  return lax.bitcast_convert_type(bits, x.dtype)
+
+
+@guard.defjvp
+def _guard_jvp(primals, tangents):
+  return guard(primals[0]), tangents[0]
+
+
+#: Element-wise functions computed by XLA's own code (a polynomial, a Newton step):
+#: on the CPU its instructions may merge with the op that made the input (``exp(x - m)``
+#: then differs by an ulp between batch sizes) or with the op that consumes the result.
+TRANSCENDENTAL = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin",
+    "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
+    "erf_inv", "lgamma", "digamma", "pow", "rsqrt", "sqrt", "cbrt", "div", "igamma",
+    "igammac", "bessel_i0e", "bessel_i1e"})
+#: Products, which LLVM may contract with the add that consumes them (one FMA).
+PRODUCTS = frozenset({"mul", "integer_pow", "square"})
+#: The primitives :func:`elementwise` guards.
+ELEMENTWISE = TRANSCENDENTAL | PRODUCTS
+
+
+def elementwise(opts: Options, eqn, *invals):
+  """A product or an element-wise function with its result (and a function's float
+  inputs) passed through :func:`guard`, on the CPU only: each is then rounded on its
+  own, by the same code, in every program and every fusion, so an element's bits do
+  not depend on the shape of the array around it. Elsewhere (a GPU contracts only
+  inside one kernel, which does not change with the batch) and for integers: None."""
+  del opts
+  out_aval = eqn.outvars[0].aval
+  if (_backend.platform() != "cpu" or eqn.primitive.multiple_results
+      or not jnp.issubdtype(out_aval.dtype, jnp.floating)):
+    return None
+  if eqn.primitive.name in TRANSCENDENTAL:
+    invals = [guard(x) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+              and jnp.ndim(x) else x for x in invals]
+  out = eqn.primitive.bind(*invals, **eqn.params)
+  return _as_out_type(guard(out), out_aval)
+
+
 RULES: dict[str, Callable] = {
     "dot_general": dot_general,
     "reduce_sum": reduce_sum,
@@ -265,6 +329,7 @@ RULES: dict[str, Callable] = {
     "cumlogsumexp": _cumulative(reduce_api.det_cumlogsumexp),
     "scatter-add": scatter_add,
     "scatter_add": scatter_add,
+    **{name: elementwise for name in sorted(ELEMENTWISE)},
 }
 
 #: Reductions whose result does not depend on the order, kept as they are.

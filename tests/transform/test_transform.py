@@ -74,6 +74,28 @@ def test_batched_product_rows_and_key_padding_are_bitwise():
   assert_bitwise_equal(pv(ppad, kpad)[:, 0], out[:, 6], "PV with zero-padded keys")
 
 
+_W = jax.random.normal(jax.random.key(7), (2, 32, 32))
+
+
+def _single_head(x, wq, wk):
+  return (x @ wq) @ jnp.swapaxes(x @ wk, -1, -2)
+
+
+@pytest.mark.parametrize("fn", [
+    pytest.param(lambda q, k: q @ jnp.swapaxes(k, -1, -2), id="inputs"),
+    pytest.param(lambda q, k: _single_head(q + k, _W[0], _W[1]), id="computed"),
+])
+def test_activation_products_take_one_path_when_matmul_squeezes_the_batch(fn):
+  # jnp.matmul drops batch dims that are 1 on both sides: at batch 1 `q @ k.T` has no
+  # batch dim left and looks like `x @ W`; it must take the batched products' path there.
+  q = wide_rows(jax.random.key(5), 8 * 16, 32, "float32").reshape(8, 16, 32)
+  k = wide_rows(jax.random.key(6), 8 * 16, 32, "float32").reshape(8, 16, 32)
+  f = jax.jit(batch_invariant(fn))
+  full = f(q, k)
+  for b in (1, 3):
+    assert_bitwise_equal(f(q[:b], k[:b])[0], full[0], f"row 0 at batch {b}")
+
+
 @pytest.mark.parametrize("impl,dtype", [("interpret", "float32"), ("interpret", "bfloat16"),
                                         ("cpu", "float32"), ("cpu", "bfloat16")])
 def test_det_matmul_zero_padding_in_k_keeps_bits(impl, dtype):
