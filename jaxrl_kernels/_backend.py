@@ -33,6 +33,7 @@ not need the flag.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import os
 import pathlib
@@ -224,3 +225,29 @@ def resolve(op: str, implementation: str | None, dtype, *, supported=IMPLEMENTAT
   if implementation == "interpret":
     warn_if_fma_contraction()
   return implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOpBackend:
+  """One implementation of an op with a single Pallas row kernel for every GPU name (the
+  fixed-order reductions, RMSNorm): the record its ``BACKENDS`` table maps a name to.
+
+  Attributes:
+    name: the implementation that runs (``"mosaic"`` and ``"cuda"`` run ``"triton"``).
+    kernel: the Pallas row kernel runs (else the op's fixed-order XLA form, ``"cpu"``).
+    interpret: the kernel runs on the Pallas CPU interpreter.
+    stock: XLA's own reduction order, the baseline (not batch-invariant).
+  """
+
+  name: str
+  kernel: bool = False
+  interpret: bool = False
+  stock: bool = False
+
+
+def row_op_backends() -> dict[str, RowOpBackend]:
+  """The dispatch table of a :class:`RowOpBackend` op: implementation name -> record."""
+  triton = RowOpBackend("triton", kernel=True)
+  return {"mosaic": triton, "cuda": triton, "triton": triton,
+          "interpret": RowOpBackend("interpret", kernel=True, interpret=True),
+          "cpu": RowOpBackend("cpu"), "xla": RowOpBackend("xla", stock=True)}

@@ -22,7 +22,6 @@ per column.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -33,36 +32,9 @@ from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.gemm.row_parallel import pairwise_tree
 
-
-@dataclasses.dataclass(frozen=True)
-class NormBackend:
-  """One implementation of ``rms_norm`` / ``add_rms_norm`` (forward; the backward is the
-  float32 formula under JAX's autodiff for all of them).
-
-  Attributes:
-    name: the implementation the call runs (every GPU name runs the one Triton kernel).
-    kernel: the Pallas row kernel (``pallas/rmsnorm_triton.py``); else the XLA formula with
-      ``tree_sum`` (the ``"cpu"`` form, guarded).
-    interpret: the kernel under the Pallas interpreter.
-    stock: ``jnp.mean`` under JAX's own autodiff, the baseline (not batch-invariant).
-  """
-
-  name: str
-  kernel: bool = False
-  interpret: bool = False
-  stock: bool = False
-
-
-_TRITON = NormBackend("triton", kernel=True)
-# The one dispatch table: implementation name -> the backend it runs.
-BACKENDS: dict[str, NormBackend] = {
-    "mosaic": _TRITON,
-    "triton": _TRITON,
-    "cuda": _TRITON,
-    "interpret": NormBackend("interpret", kernel=True, interpret=True),
-    "cpu": NormBackend("cpu"),
-    "xla": NormBackend("xla", stock=True),
-}
+# The one dispatch table: implementation name -> what runs (_backend.RowOpBackend; the
+# backward is the float32 formula under JAX's autodiff for every implementation).
+BACKENDS: dict[str, _backend.RowOpBackend] = _backend.row_op_backends()
 
 
 def tree_sum(x: jax.Array) -> jax.Array:

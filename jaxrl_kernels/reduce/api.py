@@ -27,7 +27,6 @@ device except ``"xla"``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -45,31 +44,8 @@ from jaxrl_kernels.reduce import fixed_order
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclasses.dataclass(frozen=True)
-class ReduceBackend:
-  """One implementation of the reductions; its capabilities are fields.
-
-  Attributes:
-    name: the implementation that runs (``"mosaic"`` and ``"cuda"`` run ``"triton"``).
-    stock: XLA's own ``jnp.sum`` / ``jnp.prod`` / ``jnp.cumsum`` (order not fixed).
-    kernel: rows wider than one lane step run the Pallas kernel.
-    interpret: the kernel runs on the Pallas CPU interpreter.
-  """
-  name: str
-  stock: bool = False
-  kernel: bool = False
-  interpret: bool = False
-
-
-_TRITON = ReduceBackend("triton", kernel=True)
-BACKENDS: dict[str, ReduceBackend] = {
-    "mosaic": _TRITON,
-    "cuda": _TRITON,
-    "triton": _TRITON,
-    "interpret": ReduceBackend("interpret", kernel=True, interpret=True),
-    "cpu": ReduceBackend("cpu"),
-    "xla": ReduceBackend("xla", stock=True),
-}
+# The one dispatch table: implementation name -> what runs (_backend.RowOpBackend).
+BACKENDS: dict[str, _backend.RowOpBackend] = _backend.row_op_backends()
 _SUPPORTED = tuple(BACKENDS)
 
 Axis = int | Sequence[int] | None
