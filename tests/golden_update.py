@@ -16,6 +16,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+# The suite's XLA flags (no FMA contraction; -O0 on a CPU-only run) before jax starts: the
+# digests are the bits the tests compute.
+import conftest  # noqa: E402, F401
 import golden_cases  # noqa: E402
 import jax  # noqa: E402
 

@@ -175,6 +175,14 @@ def _block_logits(xb, w_c, b_c, inv_temperature, ok, hv: bool, zero) -> jax.Arra
   return jnp.where(ok[None, :], z, -jnp.inf)
 
 
+def _exp(x, zero):
+  """float32 ``exp`` from guarded IEEE basic operations (:func:`softmax_partials.exp_arith`):
+  XLA's compiled ``exp`` rounds differently in the last bit between fusions (vectorized or
+  scalar code, FMA contracted or not), so the same logit would give other bits in a program
+  that also computes the entropy."""
+  return sp.exp_arith(x, sep=lambda v: guard(v, zero))
+
+
 def _tile_stats(z, ok, zero):
   """Per-row, per-``VOCAB_TILE`` ``(m, s, u)`` of a logits block, each ``[rows, tiles]``.
 
@@ -188,7 +196,7 @@ def _tile_stats(z, ok, zero):
   okt = ok.reshape(1, nt, VOCAB_TILE)
   m = jnp.max(zt, axis=-1)
   x = jnp.where(okt, zt - sp.finite_max(m)[..., None], -jnp.inf)
-  e = guard(jnp.exp(x), zero)  # exp(-inf) = 0 on padding columns
+  e = guard(_exp(x, zero), zero)  # exp(-inf) = 0 on padding columns
   d = guard(jnp.where(okt & (zt != -jnp.inf), e * x, 0.0), zero)
   return m, tree_sum_last(e), tree_sum_last(d)
 
@@ -362,7 +370,8 @@ def _merge_step(m, s, u, mt, st, ut, zero):
   """Folds a tile's ``(mt, st, ut)`` into the running ``(m, s, u)`` (each ``[rows]``): the
   kernels' :func:`softmax_partials.merge_step` with every product guarded before the sum
   that consumes it."""
-  return sp.merge_step(m, s, u, mt, st, ut, sep=lambda x: guard(x, zero))
+  return sp.merge_step(m, s, u, mt, st, ut, exp=lambda x: _exp(x, zero),
+                       sep=lambda x: guard(x, zero))
 
 
 def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array):
@@ -377,13 +386,13 @@ def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array):
     return empty, empty, empty
   rb = CPU_ROW_BLOCK
   t_pad = cdiv(t, rb) * rb
-  mp, sp, up = (jnp.pad(jnp.asarray(a, jnp.float32), ((0, 0), (0, t_pad - t)))
+  mp, s_pad, up = (jnp.pad(jnp.asarray(a, jnp.float32), ((0, 0), (0, t_pad - t)))
                 for a in (m, s, u))
-  zero = opaque_zero(sp)
+  zero = opaque_zero(s_pad)
 
   def block(i, out):
     r0 = i * rb
-    mb, sb, ub = (lax.dynamic_slice(a, (0, r0), (n, rb)) for a in (mp, sp, up))
+    mb, sb, ub = (lax.dynamic_slice(a, (0, r0), (n, rb)) for a in (mp, s_pad, up))
 
     def fold(k, state):
       return _merge_step(*state, mb[k], sb[k], ub[k], zero)
@@ -391,7 +400,7 @@ def merge_partials(m: jax.Array, s: jax.Array, u: jax.Array):
     init = varying_like((jnp.full((rb,), -jnp.inf, jnp.float32), jnp.zeros((rb,), jnp.float32),
                          jnp.zeros((rb,), jnp.float32)), m, s, u)
     mf, sf, uf = lax.fori_loop(0, n, fold, init)
-    log_s = guard(jnp.log(sf), zero)
+    log_s = guard(sp.log_arith(sf, sep=lambda x: guard(x, zero)), zero)
     ratio = uf / sf
     res = (mf + log_s, mf + ratio, log_s - ratio)
     return tuple(lax.dynamic_update_slice_in_dim(o, r, r0, 0) for o, r in zip(out, res))
@@ -406,7 +415,7 @@ def _dlogits(z, ok, lse, mean_z, g_logp, g_ent, lt, active, inv_temperature, zer
   """``dz = (g_logp (onehot - p) - g_ent p (z - mean_z)) / temperature`` of one block,
   0 at padding columns and at rows without a cotangent (a select: NaN there stays out)."""
   cols = lax.broadcasted_iota(jnp.int32, z.shape, 1)
-  p = guard(jnp.exp(z - lse[:, None]), zero)  # 0 on padding columns (z = -inf)
+  p = guard(_exp(z - lse[:, None], zero), zero)  # 0 on padding columns (z = -inf)
   zc = jnp.where(ok[None, :] & (z != -jnp.inf), z - mean_z[:, None], 0.0)
   onehot = (cols == lt[:, None]).astype(jnp.float32)
   a = guard(g_logp[:, None] * (onehot - p), zero)

@@ -36,37 +36,43 @@ _LN2_HI = 0.693145751953125  # 12 significant bits: k * _LN2_HI is exact for |k|
 _LN2_LO = 1.4286068203094172e-06  # ln 2 - _LN2_HI
 
 
-def exp_arith(x):
+def exp_arith(x, sep=None):
   """float32 ``exp(x)`` from IEEE basic operations only (within 2 ulps; ``x <
   -87.33`` gives 0, ``x > 88`` inf (the kernels only take ``x <= 0``), ``-inf``
   0, NaN NaN).
 
   For the interpreted kernels: XLA's compiled ``exp`` may differ in the last
-  bit between fusions (vectorized or not), these operations cannot.
+  bit between fusions (vectorized or not), these operations cannot. ``sep`` (the
+  "cpu" implementation's guard) is applied to every product before the sum that
+  consumes it, so that no FMA contraction can differ between programs either; None
+  adds no operation.
   ``x = k ln2 + r`` with ``k = round(x / ln2)`` (two-part ln2, exact
   products), ``exp(r)`` by Horner on its Taylor series to degree 8 (``|r| <=
   0.35``), then scaled by ``2^k`` through the exponent bits.
   """
+  sep = sep or (lambda v: v)
   x = jnp.asarray(x, jnp.float32)
   xc = jnp.clip(x, -87.33, 88.0)
-  k = jnp.round(xc * jnp.float32(1.4426950408889634))
-  r = (xc - k * jnp.float32(_LN2_HI)) - k * jnp.float32(_LN2_LO)
+  k = jnp.round(sep(xc * jnp.float32(1.4426950408889634)))
+  r = (xc - sep(k * jnp.float32(_LN2_HI))) - sep(k * jnp.float32(_LN2_LO))
   p = jnp.float32(1.0 / 40320)
   for c in (1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
-    p = p * r + jnp.float32(c)
+    p = sep(p * r) + jnp.float32(c)
   scale = lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
-  y = p * scale
+  y = sep(p * scale)
   y = jnp.where(x < -87.33, 0.0, jnp.where(x > 88.0, jnp.inf, y))
   return jnp.where(jnp.isnan(x), x, y)
 
 
-def log_arith(x):
+def log_arith(x, sep=None):
   """float32 ``log(x)`` from IEEE basic operations only (within a few ulps;
   0 gives -inf, negative or NaN gives NaN, subnormals are treated as 0).
 
   ``x = 2^e f`` with ``f`` in [sqrt(1/2), sqrt(2)), ``log f = 2 atanh(y)``,
-  ``y = (f - 1) / (f + 1)``, as a fixed odd series to ``y^13``.
+  ``y = (f - 1) / (f + 1)``, as a fixed odd series to ``y^13``. ``sep`` as in
+  :func:`exp_arith`.
   """
+  sep = sep or (lambda v: v)
   x = jnp.asarray(x, jnp.float32)
   bits = lax.bitcast_convert_type(x, jnp.int32)
   e = (bits >> 23) - 127
@@ -75,12 +81,12 @@ def log_arith(x):
   f = jnp.where(big, f * jnp.float32(0.5), f)
   e = jnp.where(big, e + 1, e)
   y = (f - 1.0) / (f + 1.0)
-  y2 = y * y
+  y2 = sep(y * y)
   p = jnp.float32(1.0 / 13)
   for c in (1.0 / 11, 1.0 / 9, 1.0 / 7, 1.0 / 5, 1.0 / 3, 1.0):
-    p = p * y2 + jnp.float32(c)
+    p = sep(p * y2) + jnp.float32(c)
   ef = e.astype(jnp.float32)
-  r = (2.0 * y * p + ef * jnp.float32(_LN2_LO)) + ef * jnp.float32(_LN2_HI)
+  r = (sep(sep(2.0 * y) * p) + sep(ef * jnp.float32(_LN2_LO))) + sep(ef * jnp.float32(_LN2_HI))
   r = jnp.where(x == jnp.inf, jnp.inf, r)
   return jnp.where(x >= jnp.float32(1.1754944e-38), r,
                    jnp.where((x >= 0) & ~jnp.isnan(x), -jnp.inf, jnp.nan))

@@ -418,10 +418,6 @@ def bf16_folder(tmp_path_factory):
 
 
 @pytest.mark.slow  # a subprocess of about 75 s
-@pytest.mark.xfail(strict=True, reason="known defect (tests/linear_logp/test_temperature_bits.py):"
-                   " at bf16 and temperature != 1 the unsharded sampler's head and the scorer's"
-                   " give a few log-probs that differ in the last bit under XLA's default CPU"
-                   " flags")
 def test_hf_bf16_at_temperature_0_7_checks_the_unsharded_sampler_too(bf16_folder):
   """bf16 at a temperature that is not a power of two, with the user's default XLA flags
   (a subprocess: the suite's own flags turn FMA contraction off): the sampler on the plain
