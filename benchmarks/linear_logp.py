@@ -25,6 +25,13 @@ forward and backward), ``xla`` (``h @ W``, softmax statistics, gather, entropy:
 ``mosaic:chunk=2048``. A name ending in ``-noent`` computes the log-probs only (no
 entropy), as the cross-entropy peers do.
 
+The policy loss (rows for a kernel implementation ``X``, e.g.
+``--impls ppo-mosaic,ppofused-mosaic``): ``ppo-X`` is the unfused composition
+``rl.policy_loss(linear_logp(..., return_entropy=True))``
+(PPO clip, k3 KL to a reference, entropy bonus 0.01; its gradient through ``linear_logp``'s
+backward), ``ppofused-X`` is ``rl.linear_policy_loss``, the same loss with the head's
+gradient formed in the forward pass. "fwd" is the loss without a gradient.
+
 Reference rows, each in its own process of the same run:
 
 * ``cublas``: the GEMMs alone at ``jnp.dot`` (cuBLAS) speed, the floor of any fused op
@@ -177,6 +184,45 @@ def _measure_torch(impl: str, t: int, v: int, calls: int = 10) -> dict:
 TORCH_IMPLS = ("torch", "liger", "cce", "cce-exact")
 
 
+def _policy_op(spec):
+  """``ppo-X`` / ``ppofused-X``: ``(h, w, tg, old, ref, adv) -> loss`` (see the module doc)."""
+  import jaxrl_kernels as jk
+
+  fused, impl = spec.split("-", 1)
+  kw = dict(beta=0.04, entropy_coef=0.01)
+  if fused == "ppofused":
+    return lambda h, w, tg, old, ref, adv: jk.rl.linear_policy_loss(
+        h, w, tg, old_logp=old, ref_logp=ref, advantages=adv, implementation=impl, **kw)[0]
+
+  def unfused(h, w, tg, old, ref, adv):
+    lp, ent = jk.linear_logp(h, w, tg, return_entropy=True, implementation=impl)
+    return jk.rl.policy_loss(lp, old, adv, entropy=ent, ref_logp=ref, **kw)[0]
+  return unfused
+
+
+def _measure_policy(spec: str, t: int, v: int) -> dict:
+  from _timing import device_ms
+
+  k = jax.random.split(jax.random.key(0), 5)
+  h = jax.random.normal(k[0], (t, H), jnp.bfloat16)
+  w = (jax.random.normal(k[1], (H, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  tg = jax.random.randint(k[2], (t,), 0, v)
+  old = -jnp.log(float(v)) + 0.1 * jax.random.normal(k[3], (t,))
+  ref = old + 0.1 * jax.random.normal(k[4], (t,))
+  adv = jnp.linspace(-1.0, 1.0, t, dtype=jnp.float32)
+  op = _policy_op(spec)
+  args = (h, w, tg, old, ref, adv)
+  row = {"impl": spec, "t": t, "v": v}
+  for name, fn in (("fwd", jax.jit(op)), ("fb", jax.jit(jax.value_and_grad(op, argnums=(0, 1))))):
+    row[name + "_temp"] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    stats = jax.devices()[0].memory_stats
+    before = (stats() or {}).get("bytes_in_use", 0)
+    jax.block_until_ready(fn(*args))
+    row[name + "_peak"] = (stats() or {}).get("peak_bytes_in_use", 0) - before
+    row[name + "_ms"] = device_ms(fn, *args)
+  return row
+
+
 def _measure(impl: str, t: int, v: int) -> dict:
   """Times and memory of one (implementation, shape), in this process."""
   sys.path.insert(0, os.path.dirname(__file__))
@@ -184,6 +230,8 @@ def _measure(impl: str, t: int, v: int) -> dict:
     return _measure_torch(impl, t, v)
   if impl == "cublas":
     return _measure_cublas(t, v)
+  if impl.startswith(("ppo-", "ppofused-")):
+    return _measure_policy(impl, t, v)
   from _timing import device_ms
 
   k = jax.random.split(jax.random.key(0), 3)

@@ -593,3 +593,189 @@ def tis_weights(train_logp: jax.Array, rollout_logp: jax.Array, *,
   d = _clamp(_log_ratio(a["train_logp"], a["rollout_logp"], active))
   w = jnp.minimum(jnp.exp(d), threshold)
   return lax.stop_gradient(jnp.where(active, w, 0.0))
+
+
+POLICY_OBJECTIVES = ("ppo", "gspo")
+
+
+def _is_zero(x) -> bool:
+  """A static (Python) zero: the term it weights is left out of the program."""
+  return isinstance(x, int | float) and not isinstance(x, bool) and x == 0
+
+
+@_keyword_mask
+def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, *,
+                entropy: jax.Array | None = None, mask: jax.Array | None = None,
+                ref_logp: jax.Array | None = None, beta: float | jax.Array = 0.0,
+                kl_kind: str = "k3", entropy_coef: float | jax.Array = 0.0,
+                objective: str = "ppo", clip_low: float | jax.Array | None = None,
+                clip_high: float | jax.Array | None = None,
+                dual_clip: float | jax.Array | None = None, token_level: bool = True,
+                segment_ids: jax.Array | None = None, axis_names: AxisNames = (),
+                denominator: jax.Array | float | None = None) -> tuple[jax.Array, Metrics]:
+  r"""A policy-gradient loss with a KL penalty and an entropy bonus, from per-token values.
+
+  .. math::  L = L_{pg} + \beta\, \mathrm{reduce}_t\, \mathrm{kl}_t(\pi, \pi_{ref})
+             - c_{ent}\, \mathrm{reduce}_t\, H_t
+
+  with :math:`L_{pg}` :func:`ppo_clip_loss` (``objective="ppo"``: PPO, GRPO, DAPO, Dr.GRPO
+  by the choice of advantages, clip range, ``token_level`` and ``denominator``) or
+  :func:`gspo_loss` (``"gspo"``), and the KL and entropy terms reduced as the PPO term is
+  (token or sequence level, the same global denominator; GSPO: token level). This is the
+  objective :func:`linear_policy_loss` fuses into the LM head; given the head's ``logp`` and
+  ``entropy`` (``linear_logp(..., return_entropy=True)``) it computes the same loss.
+
+  Args:
+    logp, old_logp, mask, token_level, axis_names, denominator: as in :func:`ppo_clip_loss`.
+    advantages: ``"ppo"``: ``[...]`` per sequence or ``[..., T]`` per token; ``"gspo"``:
+      ``[S]`` per document (with ``segment_ids``).
+    entropy: ``[..., T]`` per-token entropies of the trained policy (differentiated);
+      required when ``entropy_coef`` is not a static 0; reported as ``entropy_mean``.
+    ref_logp, beta, kl_kind: the KL penalty, as in :func:`grpo_loss`.
+    entropy_coef: :math:`c_{ent}` (a bonus: the loss decreases with the entropy).
+    objective: ``"ppo"`` or ``"gspo"``.
+    clip_low, clip_high: the clip range (default 0.2 / 0.2 for PPO, 3e-4 / 4e-4 for GSPO).
+    dual_clip: PPO's dual clip, or None.
+    segment_ids: ``"gspo"``: the document of each token (see :func:`gspo_loss`).
+
+  Returns:
+    ``(loss, metrics)``: the metrics of the policy term plus ``pg_loss``, with
+    ``ref_logp`` ``kl`` (token mean), with ``entropy`` ``entropy_mean``.
+  """
+  fn = "policy_loss"
+  objective = val.check_choice(fn, "objective", objective, POLICY_OBJECTIVES)
+  kl_kind = val.check_choice(fn, "kl_kind", kl_kind, KL_KINDS)
+  beta = val.as_scalar(fn, "beta", beta)
+  entropy_coef = val.as_scalar(fn, "entropy_coef", entropy_coef)
+  if ref_logp is None and not _is_zero(beta):
+    raise ValueError(f"{fn}: beta={beta} needs ref_logp")
+  if entropy is None and not _is_zero(entropy_coef):
+    raise ValueError(f"{fn}: entropy_coef={entropy_coef} needs entropy")
+  shape, a = _tokens(fn, "logp", logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy)
+  active = _mask(fn, mask, shape)
+  if objective == "ppo":
+    if segment_ids is not None:
+      raise ValueError(f"{fn}: segment_ids is a 'gspo' argument; objective='ppo'")
+    pg, metrics = ppo_clip_loss(
+        a["logp"], a["old_logp"], advantages, mask=active,
+        clip_low=0.2 if clip_low is None else clip_low,
+        clip_high=0.2 if clip_high is None else clip_high, dual_clip=dual_clip,
+        token_level=token_level, axis_names=axis_names, denominator=denominator)
+  else:
+    if segment_ids is None:
+      raise ValueError(f"{fn}: objective='gspo' needs segment_ids")
+    if dual_clip is not None or not token_level:
+      raise ValueError(f"{fn}: dual_clip and token_level=False are 'ppo' arguments; "
+                       f"objective='gspo'")
+    pg, metrics = gspo_loss(
+        a["logp"], a["old_logp"], advantages, segment_ids, mask=active,
+        clip_low=3e-4 if clip_low is None else clip_low,
+        clip_high=4e-4 if clip_high is None else clip_high, axis_names=axis_names,
+        denominator=denominator)
+  metrics["pg_loss"] = pg
+  loss = pg
+  denominator = _denominator(fn, denominator)
+
+  def reduce(x):
+    return _reduce_tokens(x, active, token_level=token_level, axis_names=axis_names,
+                          denominator=denominator)
+
+  if ref_logp is not None:
+    kl_t = kl(a["logp"], a["ref_logp"], mask=active, kind=kl_kind)
+    metrics["kl"] = masked_mean(lax.stop_gradient(kl_t), active, axis_names=axis_names)
+    if not _is_zero(beta):
+      loss = loss + beta * reduce(kl_t)
+  if entropy is not None:
+    ent = jnp.where(active, a["entropy"], jnp.zeros((), a["entropy"].dtype))
+    metrics["entropy_mean"] = masked_mean(lax.stop_gradient(ent), active,
+                                          axis_names=axis_names)
+    if not _is_zero(entropy_coef):
+      loss = loss - entropy_coef * reduce(ent)
+  return loss, metrics
+
+
+_POLICY_ARRAYS = ("old_logp", "advantages", "mask", "ref_logp", "segment_ids")
+
+
+def _policy_objective(logp, entropy, operands, cfg):
+  """:func:`policy_loss` as :func:`linear_objective`'s objective: ``operands`` holds the
+  arrays and the traced hyper-parameters, ``cfg`` the static ones (sorted name/value
+  pairs)."""
+  kw = dict(cfg)
+  kw.update(operands)
+  return policy_loss(logp, kw.pop("old_logp"), kw.pop("advantages"), entropy=entropy, **kw)
+
+
+@_keyword_mask
+def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
+                       old_logp: jax.Array, advantages: jax.Array,
+                       mask: jax.Array | None = None, ref_logp: jax.Array | None = None,
+                       beta: float | jax.Array = 0.0, kl_kind: str = "k3",
+                       entropy_coef: float | jax.Array = 0.0, objective: str = "ppo",
+                       clip_low: float | jax.Array | None = None,
+                       clip_high: float | jax.Array | None = None,
+                       dual_clip: float | jax.Array | None = None, token_level: bool = True,
+                       segment_ids: jax.Array | None = None, axis_names: AxisNames = (),
+                       denominator: jax.Array | float | None = None,
+                       bias: jax.Array | None = None, temperature: float | jax.Array = 1.0,
+                       weight_layout: str = "hv", fp32_head: bool = False,
+                       implementation: str | None = None,
+                       config=None) -> tuple[jax.Array, Metrics]:
+  r""":func:`policy_loss` of the LM head's log-probs, fused into the head.
+
+  ``hidden @ W (+ bias)`` at ``temperature`` gives the trained policy's ``logp`` of
+  ``targets`` and its ``entropy`` (the kernels of
+  :func:`~jaxrl_kernels.linear_logp.linear_logp`: the ``[..., V]`` logits never exist), and
+  the forward pass also forms the loss's gradient w.r.t. ``hidden``, ``weight`` and
+  ``bias`` (:func:`~jaxrl_kernels.linear_logp.objective.linear_objective`): the backward
+  pass of ``jax.grad`` only scales it by the loss cotangent.
+
+  Bits: ``metrics["logp"]`` is bitwise ``linear_logp``'s (so the sampler's);
+  ``metrics["entropy"]`` is ``linear_logp``'s entropy; the loss is bitwise
+  ``policy_loss(linear_logp(..., return_entropy=True), ...)`` and, for ``jax.grad`` of the
+  loss, the gradients are bitwise that composition's gradients (the same kernels with the
+  same cotangents): dH rows batch-invariant, dW deterministic run to run.
+
+  Args:
+    hidden: ``[..., T, H]`` (e.g. ``[B, T, H]``) final hidden states.
+    weight, bias, temperature, weight_layout, fp32_head, implementation: as in
+      ``linear_logp`` (not ``"xla"``).
+    targets: ``[..., T]`` the sampled token ids.
+    config: the backward's :class:`~jaxrl_kernels.linear_logp.BackwardConfig` or None.
+    Other arguments: as in :func:`policy_loss`.
+
+  Returns:
+    ``(loss, metrics)``: the metrics of :func:`policy_loss` plus the per-token ``logp`` and
+    ``entropy`` (float32, ``targets.shape``, 0 at masked tokens for ``logp``). Metrics carry
+    no gradient.
+  """
+  from jaxrl_kernels.linear_logp.objective import linear_objective  # noqa: PLC0415
+
+  fn = "linear_policy_loss"
+  entropy_coef = val.as_scalar(fn, "entropy_coef", entropy_coef)
+  arrays = dict(old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
+                segment_ids=segment_ids)
+  hyper = dict(beta=beta, kl_kind=kl_kind, entropy_coef=entropy_coef, objective=objective,
+               clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+               token_level=token_level, axis_names=axis_names, denominator=denominator)
+  operands = {k: v for k, v in arrays.items() if v is not None}
+  static = {}
+  for k, v in hyper.items():
+    if isinstance(v, jax.Array | np.ndarray | np.generic) and not isinstance(v, np.str_):
+      operands[k] = v
+    else:
+      static[k] = tuple(v) if isinstance(v, list) else v
+  try:
+    cfg = tuple(sorted(static.items()))
+    hash(cfg)
+  except TypeError as e:
+    raise TypeError(f"{fn}: hyper-parameters must be numbers, strings or arrays: {e}") from None
+  loss, metrics, logp, ent = linear_objective(
+      hidden, weight, targets, _policy_objective, operands, cfg=cfg,
+      entropy_grad=not _is_zero(entropy_coef), bias=bias, temperature=temperature, mask=mask,
+      weight_layout=weight_layout, fp32_head=fp32_head, implementation=implementation,
+      config=config)
+  metrics = dict(metrics)
+  metrics["logp"] = logp
+  metrics["entropy"] = ent
+  return loss, metrics

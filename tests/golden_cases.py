@@ -144,6 +144,24 @@ def rl_objective(impl, dtype):
   return {"loss": value, "dlogp": grad}
 
 
+def linear_policy_loss(impl, dtype):
+  """The policy loss fused into the head: loss, per-token logp/entropy, dH, dW."""
+  rng = np.random.default_rng(10)
+  h, w = _wide(rng, (2, 23, 128), dtype), _plain(rng, (128, 640), dtype, 0.05)
+  t = jnp.asarray(rng.integers(0, 640, (2, 23)), jnp.int32)
+  mask = jnp.asarray(np.arange(23)[None] < np.array([[23], [17]]))
+  old = jnp.asarray(rng.standard_normal((2, 23)) * 0.5 - 6, jnp.float32)
+  adv = jnp.asarray([0.7, -1.3], jnp.float32)
+
+  def f(h, w):
+    return jk.rl.linear_policy_loss(h, w, t, old_logp=old, advantages=adv, mask=mask,
+                                    ref_logp=old, beta=0.04, entropy_coef=0.01,
+                                    temperature=0.7, implementation=impl)
+
+  (loss, m), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)
+  return {"loss": loss, "logp": m["logp"], "entropy": m["entropy"], "dh": dh, "dw": dw}
+
+
 def cpu_tiles(impl, dtype):
   """Shapes across the CPU implementation's row, column and vocab blocks (contract.CPU_*):
   300 rows and columns (CPU_ROW_BLOCK, CPU_COL_BLOCK = 128), 1500 vocab columns
@@ -171,6 +189,7 @@ CASES = {
     "rms_norm": (rms_norm_case, ("cpu", "interpret", "triton")),
     "decoder_logp": (decoder_logp, ("cpu", "interpret", "triton", "mosaic")),
     "rl": (rl_objective, ("cpu",)),
+    "linear_policy_loss": (linear_policy_loss, ("cpu", "interpret", "triton", "mosaic")),
     "cpu_tiles": (cpu_tiles, ("cpu", "interpret")),
 }
 

@@ -17,8 +17,10 @@ Every step:
    The same comparison is also made inside the loss that ``jax.grad``
    differentiates (columns ``*_jaxrl_grad``).
 3. **Update**: :class:`jaxrl_kernels.train.Trainer` with ``docs_per_step``
-   (one document = one completion) and :func:`jaxrl_kernels.rl.grpo_loss`
-   over micro-batches of whole groups, then one optax Adam step.
+   (one document = one completion) and the GRPO objective (group advantages, the
+   clipped surrogate) fused into the LM head (``policy_loss``, see
+   :func:`jaxrl_kernels.rl.linear_policy_loss`) over micro-batches of whole groups, then
+   one optax Adam step.
 
 Step 2 runs for both paths with the *same parameters*: jaxrl_kernels
 (``implementation=None``) and the stock XLA path (``implementation="xla"``:
@@ -371,13 +373,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
   def loss_fn(p, batch, num_documents):
     m = nnx.merge(graphdef, p, rest)
-    logp = m.logp(batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["mask"],
-                  temperature=args.temperature)
-    loss, _ = rl.grpo_loss(logp, batch["old_logp"], batch["rewards"], g, mask=batch["mask"],
-                           token_level=False, denominator=num_documents)
+    # GRPO: group advantages, the clipped objective fused into the LM head (its gradient
+    # formed in the head's forward pass), one document per completion.
+    adv = rl.group_advantages(batch["rewards"], g, mask=jnp.any(batch["mask"], axis=-1))
+    loss, metrics = m.policy_loss(batch["tokens"][:, :-1], batch["tokens"][:, 1:],
+                                  batch["mask"], temperature=args.temperature,
+                                  old_logp=batch["old_logp"], advantages=adv,
+                                  token_level=False, denominator=num_documents)
     # The log-probs the gradient is taken of, against the sampler's, on the first
     # micro-batch only (the Trainer sums aux over micro-batches; the others add 0).
-    lp, old, mask = lax.stop_gradient(logp), batch["old_logp"], batch["mask"]
+    lp, old, mask = metrics["logp"], batch["old_logp"], batch["mask"]
     differ = mask & (lax.bitcast_convert_type(lp, jnp.uint32)
                      != lax.bitcast_convert_type(old, jnp.uint32))
     first = batch["first"]

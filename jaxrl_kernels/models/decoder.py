@@ -640,6 +640,19 @@ class DecoderLM(nnx.Module):
     h = self(tokens, positions, segment_ids, max_docs=max_docs)
     return self.head(h, targets, mask, temperature=temperature, return_entropy=return_entropy)
 
+  def policy_loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                  *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                  max_docs: int | None = None, temperature: float = 1.0, **objective):
+    """``(loss, metrics)`` of :func:`jaxrl_kernels.rl.linear_policy_loss`: the policy loss
+    fused into the head (its gradient formed in the forward pass); ``objective`` holds its
+    keyword arguments (``old_logp``, ``advantages``, ``ref_logp``, ``beta``,
+    ``entropy_coef``, ``clip_low``, ...). ``metrics["logp"]`` is bitwise :meth:`logp`'s (the
+    sampler's). For a training step: call it under ``jax.jit`` / ``jax.grad``."""
+    temperature = as_temperature("DecoderLM.policy_loss", temperature)
+    tokens = check_token_ids("DecoderLM.policy_loss", "tokens", tokens, self.config.vocab_size)
+    h = self(tokens, positions, segment_ids, max_docs=max_docs)
+    return self.head.policy_loss(h, targets, mask, temperature=temperature, **objective)
+
   def logits(self, tokens: jax.Array, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, max_docs: int | None = None,
              temperature: float = 1.0) -> jax.Array:

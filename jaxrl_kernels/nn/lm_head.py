@@ -100,6 +100,19 @@ class LMHead(nnx.Module):
                        weight_layout=self.weight_layout, fp32_head=self.fp32_head,
                        implementation=self.implementation)
 
+  def policy_loss(self, h: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
+                  temperature: float = 1.0, **objective):
+    """``[..., T, H]`` hidden states -> ``(loss, metrics)`` of
+    :func:`jaxrl_kernels.rl.linear_policy_loss` (the policy loss fused into this head;
+    ``objective``: its keyword arguments, ``old_logp`` and ``advantages`` at least).
+    ``metrics["logp"]`` is bitwise ``self(h, targets, mask, temperature)``."""
+    from jaxrl_kernels import rl  # noqa: PLC0415 - rl sits above the head's kernels
+
+    return rl.linear_policy_loss(self.hidden(h), self.weight(), targets, mask=mask,
+                                 bias=self.bias_value(), temperature=temperature,
+                                 weight_layout=self.weight_layout, fp32_head=self.fp32_head,
+                                 implementation=self.implementation, **objective)
+
   def logits(self, h: jax.Array, temperature: float = 1.0, return_stats: bool = False):
     """``[..., H]`` -> float32 ``[..., V]`` logits, bitwise the fused path's projection
     (and, with ``return_stats``, :class:`LogitStats` whose entropy is bitwise

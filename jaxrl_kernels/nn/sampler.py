@@ -106,15 +106,25 @@ SAMPLER_CHUNK = 32
 def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
               top_p: float | None, steps_per_chunk: int = SAMPLER_CHUNK,
-              fused_draw: bool = True):
+              fused_draw: bool = True, num_samples: int = 1):
   b, p = prompts.shape
   n = max_new_tokens
   total = p + n
-  rows = jnp.arange(b)
   # The cache rounded up to whole key tiles: a key length the Mosaic attention's TMA does
   # not take would be padded (copied) per layer per step. Slots past a row's length are
   # never read, so the bits are those of any other cache length.
   h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, cache_length(total)))
+  if num_samples > 1:
+    # Each prompt prefilled once, its hidden state and cache rows repeated for its
+    # num_samples completions: prefill rows are batch-invariant, so these are the bits of
+    # prefilling every repeated row.
+    g = num_samples
+    h = jnp.repeat(h, g, axis=0)
+    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
+    prompts = jnp.repeat(prompts, g, axis=0)
+    prompt_lengths = jnp.repeat(prompt_lengths, g, axis=0)
+    b = b * g
+  rows = jnp.arange(b)
   cols = jnp.arange(total)
   tokens = jnp.where(cols < prompt_lengths[:, None], jnp.pad(prompts, ((0, 0), (0, n))), 0)
   state = (tokens, jnp.zeros((b, total), bool), jnp.zeros((b, total), jnp.float32),
@@ -223,7 +233,8 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
 
 _generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature",
                                                     "stop_ids", "top_k", "top_p",
-                                                    "steps_per_chunk", "fused_draw"))
+                                                    "steps_per_chunk", "fused_draw",
+                                                    "num_samples"))
 
 
 def _is_int(x) -> bool:
@@ -234,7 +245,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
            eos_id: int | None = None, stop_ids: Sequence[int] = (),
            top_k: int | None = None, top_p: float | None = None,
-           steps_per_chunk: int = SAMPLER_CHUNK, fused_draw: bool = True) -> SampleResult:
+           steps_per_chunk: int = SAMPLER_CHUNK, fused_draw: bool = True,
+           num_samples: int = 1) -> SampleResult:
   """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
   Prefills the prompts, then per step: a token drawn with ``fold_in(key, step)`` and the
@@ -273,9 +285,14 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
       memory). False draws with ``jax.random.categorical`` from stored logits. Either
       is a draw from the same softmax, with other tokens for the same key; the reported
       log-probs are the trainer's bits either way.
+    num_samples: static int ``G >= 1``: completions per prompt (a GRPO group). Each prompt
+      is prefilled once and its cache shared by its ``G`` rows; the result has ``B G`` rows,
+      prompt-major (rows ``[i G, (i + 1) G)`` are prompt ``i``'s, the layout of
+      ``rl.group_advantages(rewards, G)``), bitwise the result of sampling
+      ``jnp.repeat(prompts, G, 0)`` with the same key.
 
   Returns:
-    A :class:`SampleResult`.
+    A :class:`SampleResult` (``B G`` rows).
   """
   v = model.config.vocab_size
   prompts = _validation.as_ids("sample", "prompts", prompts)
@@ -315,6 +332,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     raise ValueError(f"sample: steps_per_chunk must be an int >= 1, got {steps_per_chunk!r}")
   if not isinstance(fused_draw, bool | np.bool_):
     raise ValueError(f"sample: fused_draw must be a bool, got {fused_draw!r}")
+  if not _is_int(num_samples) or num_samples < 1:
+    raise ValueError(f"sample: num_samples must be an int >= 1, got {num_samples!r}")
   if prompts.shape[0] == 0:
     total = prompts.shape[1] + int(max_new_tokens)
     return SampleResult(jnp.zeros((0, total), jnp.int32), jnp.zeros((0,), jnp.int32),
@@ -325,7 +344,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
                        top_k=None if top_k is None else int(top_k),
                        # top_p = 1 keeps every token: no truncation (as in transformers).
                        top_p=None if top_p is None or top_p == 1 else float(top_p),
-                       steps_per_chunk=int(steps_per_chunk), fused_draw=bool(fused_draw))
+                       steps_per_chunk=int(steps_per_chunk), fused_draw=bool(fused_draw),
+                       num_samples=int(num_samples))
 
 
 # --------------------------------------------------------------------------------- scoring

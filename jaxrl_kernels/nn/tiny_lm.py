@@ -298,6 +298,14 @@ class TinyCausalLM(nnx.Module):
     h = self(tokens, positions, segment_ids, max_docs=max_docs)
     return self.head(h, targets, mask, temperature=temperature, return_entropy=return_entropy)
 
+  def policy_loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                  *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                  max_docs: int | None = None, temperature: float = 1.0, **objective):
+    """``(loss, metrics)`` of the policy loss fused into the head
+    (:meth:`LMHead.policy_loss`); ``metrics["logp"]`` is bitwise :meth:`logp`'s."""
+    h = self(tokens, positions, segment_ids, max_docs=max_docs)
+    return self.head.policy_loss(h, targets, mask, temperature=temperature, **objective)
+
   # ---------------------------------------------------------------------------- KV cache
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:

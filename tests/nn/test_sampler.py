@@ -157,6 +157,36 @@ def test_every_row_stopping_ends_the_loop_at_a_chunk(lm):
                                   np.asarray(a.logp)[np.arange(4), LENS])
 
 
+def test_a_group_prefills_its_prompt_once_with_the_bits_of_repeated_rows(lm, monkeypatch):
+  """num_samples=G: each prompt prefilled once, its cache shared by its G completions; the
+  tokens, masks and log-probs are bitwise those of sampling the G-times repeated prompts,
+  and the log-probs the trainer's. The prefill runs on B rows, not B G."""
+  g = 3
+  kw = dict(max_new_tokens=6, key=jax.random.key(8), temperature=0.8, stop_ids=(5,))
+  group = sample(lm, PROMPTS, LENS, num_samples=g, **kw)
+  rep = sample(lm, np.repeat(PROMPTS, g, 0), np.repeat(LENS, g), **kw)
+  for name in ("tokens", "completion_mask", "lengths"):
+    np.testing.assert_array_equal(np.asarray(getattr(group, name)),
+                                  np.asarray(getattr(rep, name)), name)
+  assert_bitwise_equal(np.asarray(group.logp), np.asarray(rep.logp), "logp")
+  tok = np.asarray(group.tokens)
+  assert any(not np.array_equal(tok[i * g], tok[i * g + 1]) for i in range(4)), \
+      "a group's completions should differ (distinct draws per row)"
+  got = score(lm, group.tokens, group.completion_mask, temperature=0.8)
+  assert_bitwise_equal(got, np.asarray(group.logp), "score vs grouped sampler")
+  # The prefill's batch: B rows (traced shapes of the jitted program).
+  seen = []
+  original = TinyCausalLM.prefill
+
+  def spy(self, tokens, lengths, cache):
+    seen.append(tokens.shape[0])
+    return original(self, tokens, lengths, cache)
+
+  monkeypatch.setattr(TinyCausalLM, "prefill", spy)
+  sample(lm, PROMPTS, LENS, num_samples=g, max_new_tokens=2, key=jax.random.key(1))
+  assert seen == [4], seen
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(steps_per_chunk=0), "steps_per_chunk must be an int >= 1"),
     (dict(top_k=0), "top_k must be None or an int in \\[1, 64\\]"),
@@ -169,6 +199,8 @@ def test_every_row_stopping_ends_the_loop_at_a_chunk(lm):
     (dict(eos_id=-1), "eos_id must hold ints"),
     (dict(temperature=True), "temperature"),
     (dict(fused_draw=1), "fused_draw must be a bool"),
+    (dict(num_samples=0), "num_samples must be an int >= 1"),
+    (dict(num_samples=2.0), "num_samples"),
 ])
 def test_bad_options(lm, kw, match):
   with pytest.raises((ValueError, TypeError), match=match):  # TypeError: a bool temperature

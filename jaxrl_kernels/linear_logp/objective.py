@@ -1,0 +1,184 @@
+"""``linear_objective``: a scalar objective of the head's log-probs with its gradient formed in
+the forward pass.
+
+For a loss ``L = objective(logp, entropy)`` of the token log-probs and entropies of an LM head
+(``logp``, ``entropy`` as :func:`~jaxrl_kernels.linear_logp.linear_logp` gives them), the
+forward pass runs
+
+1. the head's forward kernels: ``logp``, ``entropy`` and the residuals ``lse``, ``mean_z``
+   (the very kernels of ``linear_logp``: the same bits);
+2. ``jax.vjp`` of ``objective`` at ``(logp, entropy)`` with a loss cotangent of 1: the
+   per-token cotangents ``g_logp``, ``g_ent`` (any objective: token-level, sequence-level,
+   with global counts over mesh axes);
+3. the head's backward kernels with those cotangents: ``dH``, ``dW``, ``db``.
+
+The ``custom_vjp`` backward then only scales the stored gradients by the loss cotangent
+(``ct * dH`` in float32, then the hidden's dtype; ``ct * dW`` in the weight's dtype). With the
+cotangent 1 of ``jax.grad(loss)`` the gradients are bitwise those of
+``jax.grad(objective(linear_logp(...)))``: the same kernels get the same cotangents. Another
+cotangent ``c`` gives ``c`` times the gradient of cotangent 1 (for a 16-bit weight, ``c``
+times its rounded ``dW``: one rounding more than the unfused composition).
+
+The head's work is the same as ``linear_logp`` forward + backward (one logits GEMM forward,
+the logits GEMM again and the dH and dW GEMMs after), all of it in the forward pass: a
+``jax.grad`` step finds nothing left to do for the head in its backward pass, and the
+stored gradients are tagged ``jax.ad_checkpoint.checkpoint_name(..., "linear_objective")``
+so that a ``jax.checkpoint`` policy can keep them instead of running the head again
+(``jax.checkpoint_policies.save_only_these_names("linear_objective")``).
+
+The returned ``logp``, ``entropy`` and ``aux`` carry no gradient (they are metrics):
+differentiate through :func:`~jaxrl_kernels.linear_logp.linear_logp` to use them in another
+loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxrl_kernels import _validation
+from jaxrl_kernels.linear_logp import api
+from jaxrl_kernels.linear_logp.config import BackwardConfig
+
+_OP = "linear_objective"
+CHECKPOINT_NAME = "linear_objective"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  head: api._Static  # the forward's statics (entropy=True: the entropy is always returned)
+  objective: Callable  # objective(logp, entropy, operands, cfg) -> (loss, aux)
+  cfg: Any  # hashable static configuration of the objective
+  entropy_grad: bool  # the objective reads the entropy (else the backward may leave it out)
+  lead: tuple[int, ...]  # the token shape the objective sees (the head works on [T] rows)
+  hidden_dtype: str
+  bias_dtype: str | None
+
+
+def _losses(logp, ent, operands, st: _Static):
+  """``(loss, aux), (g_logp, g_ent)`` of the objective at ``(logp, entropy)``."""
+  def fn(lp, en):
+    loss, aux = st.objective(lp.reshape(st.lead), en.reshape(st.lead), operands, st.cfg)
+    return _scalar(loss), aux
+
+  loss, vjp, aux = jax.vjp(fn, logp, ent, has_aux=True)
+  g_logp, g_ent = vjp(jnp.ones((), loss.dtype))
+  return (loss, aux), (g_logp, g_ent)
+
+
+def _scalar(loss) -> jax.Array:
+  loss = jnp.asarray(loss)
+  if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+    raise ValueError(f"{_OP}: the objective must return a float scalar loss, got "
+                     f"{loss.dtype} {loss.shape}")
+  return loss.astype(jnp.float32)
+
+
+def _primal(hidden, weight, bias, temp, targets, mask, operands, st: _Static):
+  (logp, ent), _ = api._forward(hidden, weight, bias, temp, targets, mask, st.head)
+  loss, aux = st.objective(logp.reshape(st.lead), ent.reshape(st.lead), operands, st.cfg)
+  return _scalar(loss), aux, logp, ent
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(hidden, weight, bias, temp, targets, mask, operands, st):
+  return _primal(hidden, weight, bias, temp, targets, mask, operands, st)
+
+
+def _fused_fwd(hidden, weight, bias, temp, targets, mask, operands, st):
+  (logp, ent), (lse, mean_z) = api._forward(hidden, weight, bias, temp, targets, mask, st.head)
+  (loss, aux), (g_logp, g_ent) = _losses(logp, ent, operands, st)
+  g_logp, g_ent = api.masked_cotangents((g_logp, g_ent), targets, mask, st.head.vocab_size)
+  if not st.entropy_grad:
+    g_ent = jnp.zeros_like(g_ent)
+  dh, dw, db = api.backend(st.head.implementation).backward(
+      hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, layout=st.head.layout,
+      temperature=1.0 if temp is None else temp, compute_dtype=st.head.compute_dtype,
+      config=st.head.config, entropy=st.entropy_grad)
+  dh, dw = checkpoint_name(dh, CHECKPOINT_NAME), checkpoint_name(dw, CHECKPOINT_NAME)
+  if db is not None:
+    db = checkpoint_name(db, CHECKPOINT_NAME)
+  return (loss, aux, logp, ent), (dh, dw, db)
+
+
+def _fused_bwd(st, res, cts):
+  dh, dw, db = res
+  ct = jnp.asarray(cts[0], jnp.float32)
+  dh = (ct * dh).astype(st.hidden_dtype)
+  dw = (ct.astype(dw.dtype) * dw).astype(dw.dtype)
+  if db is not None:
+    db = (ct * db).astype(st.bias_dtype)
+  # No gradient to the temperature, the ids, the mask or the objective's operands; the
+  # metrics (aux, logp, entropy) carry none.
+  return dh, dw, db, None, None, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def linear_objective(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
+                     objective: Callable, operands: Any = None, *, cfg: Any = None,
+                     entropy_grad: bool = True, bias: jax.Array | None = None,
+                     temperature: float | jax.Array = 1.0, mask: jax.Array | None = None,
+                     weight_layout: str = "hv", fp32_head: bool = False,
+                     implementation: str | None = None, config: BackwardConfig | None = None):
+  """``objective(logp, entropy)`` of an LM head, with the head's gradient formed in the forward.
+
+  Args:
+    hidden, weight, targets, bias, temperature, mask, weight_layout, fp32_head,
+      implementation, config: as in :func:`~jaxrl_kernels.linear_logp.linear_logp`
+      (``"xla"`` is not offered: it has no backward kernels of its own).
+    objective: ``objective(logp, entropy, operands, cfg) -> (loss, aux)``: ``logp`` and
+      ``entropy`` float32 of ``targets.shape``, a float32 scalar ``loss`` and a pytree
+      ``aux`` of metrics. A module-level function (it is part of the ``custom_vjp``'s
+      static arguments, so it must be hashable and the same object from call to call).
+    operands: a pytree of arrays the objective reads (advantages, old log-probs, ...); no
+      gradient flows to them.
+    cfg: hashable static configuration passed to ``objective``.
+    entropy_grad: the loss depends on the entropy (False: the backward kernels may leave
+      the entropy's term out; the gradient of a loss that does read it is then wrong).
+
+  Returns:
+    ``(loss, aux, logp, entropy)``: the float32 scalar loss (differentiable w.r.t.
+    ``hidden``, ``weight`` and ``bias``), and the objective's ``aux``, ``logp`` and
+    ``entropy`` as metrics (no gradient).
+  """
+  x = api.validate(_OP, hidden, weight, targets, bias=bias, mask=mask, temperature=temperature,
+                   weight_layout=weight_layout, fp32_head=fp32_head, return_entropy=True)
+  _validation.check_bool(_OP, "entropy_grad", entropy_grad)
+  if not callable(objective):
+    raise TypeError(f"{_OP}: objective must be a function (logp, entropy, operands, cfg) -> "
+                    f"(loss, aux), got {objective!r}")
+  if config is not None and not isinstance(config, BackwardConfig):
+    raise TypeError(f"{_OP}: config must be a BackwardConfig or None, got {config!r}")
+  impl = api.resolve(_OP, implementation, x.compute_dtype,
+                     supported=api.PARTIAL_IMPLEMENTATIONS)
+  if _validation.is_concrete(x.targets, x.mask):
+    _validation.check_ids_in_range(_OP, "targets", x.targets, x.vocab_size, x.mask)
+  lead = x.targets.shape
+  t = math.prod(lead)
+  h2 = x.hidden.reshape(t, x.hidden.shape[-1])
+  t2 = x.targets.reshape(t)
+  m2 = None if x.mask is None else x.mask.reshape(t)
+  h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
+  head = api._Static(weight_layout, x.compute_dtype.name, impl, x.vocab_size, config, True)
+  st = _Static(head, objective, cfg, bool(entropy_grad), tuple(lead), h2.dtype.name,
+               None if x.bias is None else x.bias.dtype.name)
+  if t:
+    loss, aux, logp, ent = _fused(h2, w, x.bias, api._temperature_arg(x.temperature), t2, m2,
+                                  operands, st)
+  else:
+    logp = ent = jnp.zeros((0,), jnp.float32)
+    loss, aux = objective(logp.reshape(lead), ent.reshape(lead), operands, cfg)
+    loss = _scalar(loss)
+  logp = lax.stop_gradient(logp.reshape(lead))
+  ent = lax.stop_gradient(ent.reshape(lead))
+  return loss, lax.stop_gradient(aux), logp, ent
