@@ -47,10 +47,8 @@ TILES = {"large": (128, 256), "medium": (128, 128), "small": (64, 128)}
 RASTERS = ("heuristic", "m", "n")
 SWIZZLES = (0, 1, 2, 4, 8)
 # Time of a medium (128x128) tile in units of half a large (128x256) tile: the
-# smaller tile reads more operand bytes per flop. Fit on an H100 for a
-# cooperative 128x128 tile (1.05-1.23); the ping-pong tile in use measured 1.05
-# at M=1024, N=14336. 1.12 makes the same choices on every benchmark shape
-# (benchmarks/results/gemm_h100.md).
+# smaller tile reads more operand bytes per flop. Fit on Hopper to the benchmark shapes:
+# 1.12 makes the same choices on every one of them (benchmarks/results/gemm_h100.md).
 MEDIUM_TILE_COST = 1.12
 
 
@@ -132,8 +130,8 @@ def tile_for(m: int, n: int, sm_count: int) -> str:
   """The tile configuration for an ``M x N`` output on ``sm_count`` SMs (a free knob).
 
   * ``"small"`` (64x128, ping-pong) when the large tiles would occupy fewer
-    than half of the SMs (small M: M=64, 4096x4096 ran at 126 TFLOP/s instead
-    of 53 on an H100);
+    than half of the SMs (small M: most SMs would idle; see
+    benchmarks/results/gemm_h100.md);
   * else ``"medium"`` (128x128, ping-pong) when its waves of CTAs finish sooner than the
     large tile's: ``ceil(tiles_medium / SMs) * MEDIUM_TILE_COST <
     ceil(tiles_large / SMs) * 2`` (a poorly filled last wave of large tiles,

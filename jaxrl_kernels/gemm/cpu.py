@@ -8,7 +8,7 @@ to float32, exactly):
   multiple of ``CPU_COL_BLOCK``, and each (row block, column block) pair is one
   dot of shape ``[CPU_ROW_BLOCK, K] x [K, CPU_COL_BLOCK]`` in a
   ``lax.fori_loop``. XLA's CPU GEMM fixes its blocking (so each output
-  element's order of additions) by the operand shapes, which are now the same
+  element's order of additions) by the operand shapes, which are then the same
   for every batch size and every number of columns; within a block an
   element's result does not depend on its position or on the other rows and
   columns (the tests check both). So each output element is a function of its

@@ -284,7 +284,8 @@ def _whole_products(st: _Static, x2, w, g):
   ``dx = dy @ w^T`` (a reduction over N) and ``dw = x^T @ dy`` (over tokens), each element
   with the bits of its chunk's product. A padded plan multiplies the padded layout (each
   chunk's K rows followed by ``k_pad`` zero rows: whole products of full width, where one
-  narrow product per chunk was slow) and drops the padding's zero columns and rows."""
+  narrow product per chunk would underfill the GPU) and drops the padding's zero columns and
+  rows."""
   m, k = x2.shape
   n_loc, pad = st.local_chunks, st.k_pad
   kw = dict(implementation=st.implementation)

@@ -133,10 +133,10 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   head = model.head
   v = model.config.vocab_size
   # Kernel heads give the logits' per-tile statistics unmerged: the merge (a sequential fold
-  # over the vocabulary tiles, ~0.1 ms whatever the rows) runs once per chunk of steps on
-  # all of the chunk's rows. Each row's merge is the same fold, so the log-probs are
-  # bitwise those of a per-step merge. Other heads (the stock path, a vocab-parallel head)
-  # report each step's log-prob at once.
+  # over the vocabulary tiles, whose latency does not shrink with fewer rows) runs once per
+  # chunk of steps on all of the chunk's rows. Each row's merge is the same fold, so the
+  # log-probs are bitwise those of a per-step merge. Other heads (the stock path, a
+  # vocab-parallel head) report each step's log-prob at once.
   deferred = hasattr(head, "logits_partials") and getattr(head, "implementation", None) != "xla"
   # The draw in the head's own pass (no top-k / top-p: those need the sorted logits).
   fused = (deferred and fused_draw and top_k is None and top_p is None

@@ -138,10 +138,10 @@ def persistent_for(rows: int, items: int) -> bool:
   """Whether a call of ``rows`` query rows (after the GQA fold) and ``items`` (batch group,
   head) work items runs persistent CTAs by default: a decode step (``rows <= BLOCK_Q``)
   whose items fill more than one wave of CTAs and at most ``PERSISTENT_MAX_WAVES``. There
-  one CTA per SM walking the items saves each later item's launch and ring fill (2-7% of
-  the decode step at 512-1536 keys on the H100, ``benchmarks/results/attention_h100.md``);
-  past four waves the measured gain is nil. A free knob: each item runs its own CTA's
-  instructions (``tests/attention/test_attention_mosaic_gpu.py`` compares the two)."""
+  one CTA per SM walking the items saves each later item's launch and ring fill
+  (``benchmarks/results/attention_h100.md``); past four waves the saving is negligible
+  against the step. A free knob: each item runs its own CTA's instructions
+  (``tests/attention/test_attention_mosaic_gpu.py`` compares the two)."""
   return rows <= BLOCK_Q and DEFAULT_NUM_SMS < items <= PERSISTENT_MAX_WAVES * DEFAULT_NUM_SMS
 
 

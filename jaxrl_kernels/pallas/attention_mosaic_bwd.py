@@ -63,11 +63,10 @@ NUM_COMPUTE_WGS = 2
 # Free knob: depth of the Q/dO ring (no bit depends on it).
 STAGES = 2
 # Head dims whose backward runs these kernels; others run the Triton backward (a free
-# choice: gradients are deterministic either way). Measured on an H100
-# (benchmarks/results/attention_h100.md): D = 128, 32 heads, T = 4096: fwd+bwd 1.31 ms vs
-# Triton's 2.20; D = 64 with grouped heads at the training step's document slots
-# (Qwen2.5-0.5B, Llama-3.2-1B, 8192 tokens; both backwards unfolded, delta in both dQ
-# kernels): 0.846 vs 0.735 ms and 1.816 vs 1.522 ms (this dQ kernel 1.5x Triton's).
+# choice: gradients are deterministic either way). At D = 128 these kernels take less time
+# than the Triton backward; at D = 64 with grouped heads at the training step's document
+# slots (Qwen2.5-0.5B, Llama-3.2-1B) they take more, most of it in this file's dQ kernel
+# (numbers: benchmarks/results/attention_h100.md).
 BACKWARD_HEAD_DIMS = (128,)
 
 

@@ -107,10 +107,9 @@ class BackwardConfig:
 
 def default_backward_config(dtype, d: int) -> BackwardConfig:
   """The backward's tiles when the caller gives none: for 16-bit inputs with head dims
-  padded to 64 (the models' D = 64), a 64-key dQ step and 3 pipeline stages, 3-6% faster
-  than the general default at the training step's document slots on an H100; at D = 128,
-  dK/dV ranges of 4096 rows (the Mosaic backward's fwd+bwd 2-4% faster than with 2048 at
-  32 x 128 MHA and 12 / 2 GQA heads, measured on the folded layout;
+  padded to 64 (the models' D = 64), a 64-key dQ step and 3 pipeline stages (fewer
+  registers per step at the training step's document slots); at D = 128, dK/dV ranges of
+  4096 rows (fewer ranges to walk and merge than with 2048;
   ``benchmarks/results/attention_h100.md``); the
   general default otherwise. Free knobs: they change no forward bit, and the gradients are
   deterministic for either."""
@@ -464,7 +463,7 @@ def delta_rows(out, d_out):
   Each row's products (exact in float32 for 16-bit inputs) are summed in one fixed order
   (``pallas.fixed_order.reduce_rows``: elementwise adds XLA cannot reassociate), so a row's
   bits depend on its own ``D`` values only. XLA's own row reduction picks its order by the
-  shape: the same rows in another layout (the GQA fold) gave other bits on an H100, and
+  shape: the same rows in another layout (the GQA fold) gave other bits on Hopper, and
   with them other ``dq`` bits.
   """
   bsz, tq, hq, d = out.shape

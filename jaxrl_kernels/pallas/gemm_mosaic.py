@@ -88,7 +88,8 @@ def wave_use(m: int, n: int, cta_m: int, cta_n: int, sms: int = DEFAULT_NUM_SMS)
 
 
 def default_config(m: int, n: int, k: int, groups: int = 1) -> Config:
-  """Picks free knobs by shape (measured on an H100: benchmarks/tune_gemm_mosaic.py).
+  """Picks free knobs by shape (chosen by benchmarks/tune_gemm_mosaic.py; numbers in
+  benchmarks/results/gemm_h100.md).
 
   Only tiles, warpgroups and walk order change; every config gives the same
   bits (tests/gemm/test_det_matmul_gpu.py::test_every_mosaic_config_gives_the_same_bits).
@@ -98,17 +99,13 @@ def default_config(m: int, n: int, k: int, groups: int = 1) -> Config:
     # Decode-sized M: the weight stream dominates; small N tiles spread it over
     # the SMs and a deep pipeline keeps enough bytes in flight. Once 64-wide tiles
     # would take more than one wave of the SMs, 128-wide ones stream the weight in
-    # fewer, longer walks (M = 64, K = 896, N = 9728: 9.3 against 11.9 us; K = 2048,
-    # N = 16384: 25.1 against 27.6 us; N = 1152 or 3072 keep 64: 4.4-4.6 and 9.1 us
-    # against 5.5 and 13.3 with 128).
+    # fewer, longer walks; within one wave the 64-wide tiles spread the weight over more SMs.
     if -(-n // 64) > DEFAULT_NUM_SMS:
       return Config(tile_m=64, tile_n=128, num_compute_wgs=1, wg_split="n",
                           max_concurrent_steps=4)
     if k % (2 * TILE_K) == 0:
-      # 128-column K steps: half the pipeline steps (and waits) per byte of weight. M = 64,
-      # K = 896, N = 1152: 3.8 against 4.5 us; K = 4864, N = 896: 12.8 against 15.8;
-      # M = 1, K = N = 4096: 15.3 against 17.4. (The 128-wide tiles above keep 64-column
-      # steps: 1-3% faster there.)
+      # 128-column K steps: half the pipeline steps (and waits) per byte of weight. (The
+      # 128-wide tiles above keep 64-column steps: their deeper pipeline hides the waits.)
       return Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
                           max_concurrent_steps=6, tile_k=2 * TILE_K)
     return Config(tile_m=64, tile_n=64, num_compute_wgs=1, wg_split="n",
@@ -118,23 +115,21 @@ def default_config(m: int, n: int, k: int, groups: int = 1) -> Config:
   m *= groups  # larger products: their rows stacked, as one product's
   big_tiles = -(-m // 128) * -(-n // 256)  # CTA tiles of the large config
   if n < 256 or big_tiles < 96:
-    # Too few 128x256 tiles to fill the 132 SMs: 64x128 CTA tiles instead.
-    # (M = 256: K=14336,N=4096 0.95x and K=N=4096 1.27x of jnp.dot, against
-    # 0.39x and 0.59x with the large tile. A weight gradient with a small output,
-    # M=896 x N=1152 over 8192 tokens: 1.16x against 0.48x.)
+    # Too few 128x256 tiles to fill the 132 SMs: 64x128 CTA tiles instead, spreading the
+    # product over more SMs (also a weight gradient with a small output).
     return Config(tile_m=64, tile_n=64, num_compute_wgs=2, wg_split="n",
                         max_concurrent_steps=6)
   large = wave_use(m, n, 128, 256)
   if m >= 192 and large < 0.75 and wave_use(m, n, 192, 192) > large:
     # The 128 x 256 tiles leave most of the last wave idle; 192 x 192 ones (three compute
-    # warpgroups) fill it. The weight gradients of a 896 -> 9728 and a 4864 -> 896 layer
-    # over 16384 tokens: 1.02x and 1.15x of jnp.dot, against 0.77x and 0.68x.
+    # warpgroups) fill it (the weight gradients of a 896 -> 9728 and a 4864 -> 896 layer
+    # over 16384 tokens).
     return Config(tile_m=64, tile_n=192, num_compute_wgs=3, wg_split="m",
                         max_concurrent_steps=4, grid_minor="m", grid_tile_width=8)
-  # M = 256 with N >= 14336 (112+ tiles): 0.96-0.97x with this, 0.72-0.74x with the above.
-  # Outputs of at most 4 column tiles walk row by row (N-minor); wider ones in bands of 8
-  # row tiles. (16384 x 896 over K = 9728, a 4864 -> 896 layer's dx: 397 us against 463-483
-  # with the bands; K = 896: 45 against 51. 16384 x 4864: 199 with the bands, 208 without.)
+  # M = 256 with N >= 14336 (112+ tiles) fills the SMs with the large tile.
+  # Outputs of at most 4 column tiles walk row by row (N-minor): the few column tiles of a
+  # row band share its A rows in L2; wider ones walk in bands of 8 row tiles, whose B
+  # columns stay in L2 across the band.
   minor = "n" if n <= 4 * 256 else "m"
   return Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
                       max_concurrent_steps=3, grid_minor=minor, grid_tile_width=8)
@@ -145,7 +140,7 @@ def default_config(m: int, n: int, k: int, groups: int = 1) -> Config:
 # waves (:func:`mid_config`).
 MID_ROWS = 512
 # (config, its CTA tile's throughput relative to 128 x 256). The ratios fit a sweep at
-# M = 256 (benchmarks/tune_gemm_mosaic.py --lists mid; H100): the largest tile keeps its
+# M = 256 on Hopper (benchmarks/tune_gemm_mosaic.py --lists mid): the largest tile keeps its
 # SM's tensor cores busiest, a smaller one spreads a product over more SMs.
 MID_TILES = (
     (Config(tile_m=64, tile_n=256, num_compute_wgs=2, wg_split="m",
@@ -161,12 +156,10 @@ def mid_config(m: int, n: int, groups: int = 1) -> Config:
   """The config of ``groups`` products of ``[m, n]`` outputs (``N >= 256``) whose waves of
   CTA tiles take the least time: waves x tile area / the tile's relative throughput.
 
-  At M = 256 (H100, us): Qwen2.5-1.5B's gate_up (N = 17920, K = 1536) 33.7 with 128 x 128
-  tiles against 40.7 with 128 x 256 (140 tiles: a second wave of 8); its down_proj's four
-  K chunks (N = 1536, K = 2240) 18.3 against 26.8 and 22.3 (64 x 128); Llama-3.2-1B's
-  gate_up (N = 16384, one wave of 128 x 256) 29.6 against 31.0; Qwen2.5-0.5B's (N = 9728,
-  K = 896) 13.3 against 15.8 and 16.6; a qkv product (N = 2048) 8.1 with 64 x 128 against
-  10.2 and 17.6. A shape's rule, not the device's.
+  For example, at M = 256 Qwen2.5-1.5B's gate_up (N = 17920) takes 128 x 128 tiles: 128 x 256
+  ones give 140 tiles, a second wave of 8 that leaves most SMs idle; a qkv product
+  (N = 2048) takes 64 x 128, whose more tiles spread it over more SMs (numbers:
+  benchmarks/results/gemm_h100.md). A shape's rule, not the device's.
   """
   if n < 256:
     raise ValueError(f"mid_config: N={n} is below the 256 columns of its widest tile")
@@ -279,12 +272,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   if rhs.shape != (g, k, n):
     raise ValueError(f"grouped_matmul: rhs must be [G, K, N] = {(g, k, n)}, got {rhs.shape}")
   # Decode-sized products (m <= 64 rows each) take the decode tile of one product: 64 x 64
-  # CTA tiles, g N / 64 of them, each streaming its weight columns. (Qwen2.5-0.5B rollout,
-  # 64 prompts, H100: the decode step 1.652 -> 1.628 ms with 8 chunks, 1.675 -> 1.618 with
-  # the canonical (2, 4); the stacked rows' 64 x 128 tiles gave half as many CTAs.)
+  # CTA tiles, g N / 64 of them, each streaming its weight columns (the stacked rows'
+  # 64 x 128 tiles would give half as many CTAs to stream the weight).
   # Products of a few hundred rows each: the tile whose waves over all G products take the
-  # least time (Qwen2.5-1.5B's down_proj, 4 chunks of 256 x 1536: 18.3 us with 128 x 128
-  # tiles against 22.3 with the stacked rows' 64 x 128).
+  # least time (:func:`mid_config`; numbers in benchmarks/results/gemm_h100.md).
   cfg = default_config(m, n, k, groups=g)
   cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
   m_pad = max(cfg.cta_tile_m, round_up(m, cfg.cta_tile_m))  # whole CTA tiles, M = 0 too
@@ -323,8 +314,8 @@ def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *,
   # 128 x 128 CTA tiles, 64 x 128 accumulators per warpgroup: the pending tiles of the two
   # lowest tree levels in registers, the others (one for 8 chunks) in shared memory next
   # to 4 pipeline stages. The CTAs walk M-minor in bands of 4 row tiles, so the SMs in
-  # flight share their A rows in L2. (16384 rows, K = 5120, N = 896: 233 us, the plain
-  # product of this tile 205 us; 391 us walking down one column of tiles at a time.)
+  # flight share their A rows in L2 (walking down one column of tiles at a time would
+  # re-read every A row once per column tile).
   # Chunk views step 32 or 16 columns: as many more stages keep the same bytes in flight
   # (4 to 16 stages measured the same at down_proj's views).
   steps = 4 * TILE_K // mosaic_loop.chunk_step(k // chunks)

@@ -145,7 +145,7 @@ def _dhidden_kernel(off_ref, dz_ref, w_ref, acc_in_ref, acc_ref, *, t, h, v, chu
 def _dbias_kernel(off_ref, dz_ref, db_in_ref, db_ref, *, t, v, block_t, block_v):
   """``db[v] += sum_t dz[t, v]`` over ascending token blocks (run-to-run deterministic).
 
-  Its own kernel: on an H100 (jax 0.11.2) folding this sum into the dW kernel
+  Its own kernel: on Hopper (jax 0.11.2) folding this sum into the dW kernel
   as a second output corrupted dW (tests/linear_logp/test_linear_logp_gpu.py).
   """
   del db_in_ref  # aliased with db_ref

@@ -132,15 +132,15 @@ def decode_config(rows: int, hidden: int, layout: str, *,
                   draws: bool = False) -> Config | None:
   """The sampler head's config at a decode step's few rows (``rows <= 64``), else None.
 
-  64-row CTAs halve the padding rows' tensor-core work and logit stores. H100, V = 151936,
-  T = 1 and 8 (``benchmarks/results/head_decode_h100.md``):
+  64-row CTAs halve the padding rows' tensor-core work and logit stores (numbers:
+  ``benchmarks/results/head_decode_h100.md``):
 
   * the logits of an ``"hv"`` weight ``[H, V]``: two warpgroups (a 256-column CTA tile,
-    512-byte runs of each weight row) with the hidden rows read in place: 3% faster than
-    one warpgroup at H = 896, within 1% either way at H = 1536-4096;
+    512-byte runs of each weight row) with the hidden rows read in place;
   * otherwise (the ``"vh"`` weight ``[V, H]``, a tied embedding, whose CTA tile is one
     contiguous block; and the draw): where the padded hidden size allows, CTAs of one vocab
-    tile stepping 128 hidden columns (the draw: 1-3% faster than two warpgroups).
+    tile stepping 128 hidden columns (one warpgroup's registers, the draw's most live
+    values).
 
   Free knobs: the same bits (``tests/linear_logp/test_linear_logp_mosaic_gpu.py``).
   """
@@ -171,7 +171,7 @@ def tile_epilogue(z, col_ids, tg, *, valid_vocab: int, keys=None, entropy: bool 
   bits): for callers that return no entropy. The column mask stays on every tile, also
   where every column is valid: its select rounds ``z`` before ``z - m``, which the
   compiler would otherwise contract with a temperature's multiply into one FMA (other bits
-  than the sampler's, whose ``z`` comes from memory: measured on an H100).
+  than the sampler's, whose ``z`` comes from memory, on Hopper).
   """
   col_ok = col_ids < valid_vocab
   if keys is None:
@@ -484,8 +484,7 @@ def logits_draw(hidden2d: jax.Array, weight: jax.Array, bias: jax.Array | None,
                     f"{jnp.dtype(compute_dtype).name}")
   t = hidden2d.shape[0]
   # 64-row CTAs at every row count: with the race's temporaries next to a 128-row
-  # accumulator the registers spill (H100, V = 151936, H = 2048: 1.12 against 0.48 ms at
-  # T = 256; 0.71 against 0.33 ms at T = 128).
+  # accumulator the registers spill (benchmarks/results/head_draw_h100.md).
   cfg = (config or decode_config(t, hidden2d.shape[1], layout, draws=True)
          or Config(tile_m=64))
   _no_hidden_in_place("head_draw", cfg)

@@ -44,7 +44,7 @@ def _logits_kernel(h_ref, w_ref, *refs, t, h, v, n_t, n_v, has_bias, has_temp, g
   if stats:
     # The fused kernel's reduction of the same registers, in the same kernel: a
     # from-logits kernel, whose z is a load, compiled u = sum e (z - m)
-    # differently on an H100 (last bit, a few rows).
+    # differently on Hopper (last bit, a few rows).
     m, s, u = sp.tile_stats(z, col_ok, interpret=interpret)
     for ref, x in zip(stat_refs, (m, s, u)):
       pltriton.store(ref.at[j, pl.ds(row0, tile_kw["block_t"])], x, mask=row_ok)
