@@ -44,6 +44,7 @@ from jaxrl_kernels.linear_logp import LogitStats, padded_vocab_size, vocab_paral
 from jaxrl_kernels.linear_logp import api as linear_logp_api
 from jaxrl_kernels.models.decoder import DecoderLM, RowParallelLinear
 from jaxrl_kernels.nn.protocol import KVCache, check_prefill, check_token_ids
+from jaxrl_kernels.reduce.segment import take_rows
 
 #: Logical axes (the ``logical_axes`` metadata of ``DecoderLM``'s parameters) split over tp.
 TP_LOGICAL_AXES = ("vocab", "q_heads", "kv_heads", "mlp")
@@ -231,7 +232,8 @@ class _VocabParallelEmbed:
     lo = lax.axis_index(plan.par.tp) * plan.local_vocab
     local = tokens.astype(jnp.int32) - lo
     owned = (local >= 0) & (local < plan.local_vocab)
-    rows = jnp.take(table.astype(dtype), jnp.clip(local, 0, plan.local_vocab - 1), axis=0)
+    # take_rows: jnp.take whose gradient adds the tokens' rows in a fixed order (no atomics).
+    rows = take_rows(table.astype(dtype), jnp.clip(local, 0, plan.local_vocab - 1))
     rows = jnp.where(owned[..., None], rows, jnp.asarray(-0.0, dtype))
     return lax.psum(rows, plan.par.tp)
 

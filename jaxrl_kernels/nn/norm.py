@@ -13,8 +13,10 @@ Implementations: ``"triton"`` (``pallas/rmsnorm_triton.py``, one kernel; ``"mosa
 (the same operations as XLA element-wise ops, guarded against FMA contraction, see
 ``jaxrl_kernels/_cpu.py``) and ``"xla"`` (the stock ``jnp.mean`` form, not invariant).
 Gradients (``jax.custom_vjp``; the ``"xla"`` baseline: plain autodiff) are those of the
-float32 formula with the row mean as XLA's reduction, run by XLA: deterministic run to run
-(their bits are not claimed to be batch-invariant). The backward does not differentiate
+float32 formula with the row mean as XLA's reduction; the weight's (and ``add_rms_norm``'s
+bias's) sum over rows is :func:`jaxrl_kernels.reduce.det_sum` (XLA's GPU column reduction
+adds with atomics): deterministic run to run (their bits are not claimed to be
+batch-invariant). The backward does not differentiate
 ``tree_sum``: its slices and adds are element-wise, so XLA would fuse them into every
 consumer, and the weight gradient's column reduction would recompute each row's tree once
 per column.
@@ -31,6 +33,7 @@ from jax import lax
 from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.gemm.row_parallel import pairwise_tree
+from jaxrl_kernels.reduce import det_sum
 
 # The one dispatch table: implementation name -> what runs (_backend.RowOpBackend; the
 # backward is the float32 formula under JAX's autodiff for every implementation).
@@ -106,10 +109,29 @@ def _rms_norm_fwd(x, weight, eps, impl):
   return _rms_norm(x, weight, eps, impl), (x, weight)
 
 
+def _over_rows(v: jax.Array, impl: str) -> jax.Array:
+  """float32 ``sum`` of ``v [..., N]`` over every row, in the fixed order of
+  :func:`jaxrl_kernels.reduce.det_sum` (XLA's GPU column reduction adds with atomics: its
+  bits change from run to run)."""
+  v2 = v.astype(jnp.float32).reshape(-1, v.shape[-1])
+  return det_sum(v2, axis=0, implementation=impl)
+
+
+def _backward(x, weight, g, eps: float, impl: str):
+  """``(dx, dw)`` of the float32 formula: dx by XLA's autodiff of the rows (row-local),
+  dw as the fixed-order sum over rows of ``g * x32 rsqrt(mean(x32^2) + eps)``."""
+  _, vjp = jax.vjp(lambda x: _formula(x, weight, eps, stock=True), x)
+  (dx,) = vjp(g)
+  x32 = x.astype(jnp.float32)
+  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
+  # The formula rounds w * y to x's dtype: its cotangent reaches w * y as g in float32.
+  dw = _over_rows(g.astype(jnp.float32) * y, impl).astype(weight.dtype)
+  return dx, dw
+
+
 def _rms_norm_bwd(eps, impl, res, g):
   x, weight = res
-  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, stock=True), x, weight)
-  return vjp(g)
+  return _backward(x, weight, g, eps, impl)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -130,14 +152,13 @@ def _add_rms_norm_fwd(x, partials, weight, bias, eps, impl, chunks):
 def _add_rms_norm_bwd(eps, impl, chunks, res, g):
   x_new, weight, bias = res
   g_x, g_y = g
-  _, vjp = jax.vjp(lambda x, w: _formula(x, w, eps, stock=True), x_new, weight)
-  g_norm, dw = vjp(g_y)
+  g_norm, dw = _backward(x_new, weight, g_y, eps, impl)
   # d x' / d delta = 1 (the rounding), d delta / d P_c = 1.
   d_delta = g_x.astype(jnp.float32) + g_norm.astype(jnp.float32)
   dp = jnp.broadcast_to(d_delta, (chunks, *d_delta.shape))
   db = None
   if bias is not None:
-    db = jnp.sum(d_delta.reshape(-1, d_delta.shape[-1]), axis=0).astype(bias.dtype)
+    db = _over_rows(d_delta, impl).astype(bias.dtype)
   return d_delta.astype(x_new.dtype), dp, dw, db
 
 

@@ -17,8 +17,10 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrl_kernels import _validation
+from jaxrl_kernels.reduce.segment import take_rows
 
 
 class CausalLM(Protocol):
@@ -230,9 +232,19 @@ def check_token_ids(op: str, name: str, ids, vocab_size: int, mask=None) -> jax.
 def embed_ids(embed, ids: jax.Array, vocab_size: int) -> jax.Array:
   """``embed(ids)`` where ``ids`` lie in ``[0, vocab_size)``, NaN rows elsewhere: a traced
   out-of-range id never gives a finite (wrapped, zero or clamped) embedding, the same with
-  the table sharded or not. In-range ids give ``embed``'s bits."""
+  the table sharded or not. In-range ids give ``embed``'s bits.
+
+  An ``nnx.Embed`` table is read with :func:`~jaxrl_kernels.reduce.segment.take_rows`
+  (``nnx.Embed``'s cast and ``jnp.take``), whose gradient adds the tokens' rows in a fixed
+  order: XLA's GPU scatter-add would add them with atomics, so the embedding's gradient
+  would change its bits from run to run."""
   ok = (ids >= 0) & (ids < vocab_size)
-  x = embed(jnp.where(ok, ids, 0))
+  safe = jnp.where(ok, ids, 0)
+  if isinstance(embed, nnx.Embed):
+    table = embed.embedding.get_value()
+    x = take_rows(table.astype(embed.dtype or table.dtype), safe)
+  else:
+    x = embed(safe)
   return jnp.where(ok[..., None], x, jnp.full((), jnp.nan, x.dtype))
 
 

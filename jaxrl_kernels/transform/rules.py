@@ -21,6 +21,7 @@ from jax._src.lax import lax as lax_internal
 from jaxrl_kernels import _backend
 from jaxrl_kernels.gemm import det_matmul
 from jaxrl_kernels.reduce import api as reduce_api
+from jaxrl_kernels.reduce.segment import segment_rows_add
 
 _GEMM_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -180,32 +181,6 @@ def _explicit_batching(indices, dn):
   return indices, dn
 
 
-def _segment_rows(operand, idx, upd):
-  """``operand[idx[i]] += upd[i]`` for rows of ``operand`` (an embedding gradient):
-  a stable sort by row, a segmented sum over the sorted updates with a fixed
-  ``associative_scan`` tree, and one scatter of the segment totals (unique rows)."""
-  n = idx.shape[0]
-  order = jnp.argsort(idx, stable=True)
-  sidx = idx[order]
-  supd = upd[order].astype(jnp.promote_types(upd.dtype, jnp.float32))
-  start = jnp.concatenate([jnp.ones((1,), bool), sidx[1:] != sidx[:-1]])
-  last = jnp.concatenate([sidx[1:] != sidx[:-1], jnp.ones((1,), bool)])
-
-  def seg_add(a, b):
-    fa, va = a
-    fb, vb = b
-    keep = fb.reshape(fb.shape + (1,) * (vb.ndim - 1))
-    return fa | fb, jnp.where(keep, vb, va + vb)
-
-  _, sums = lax.associative_scan(seg_add, (start, supd))
-  # Non-final entries of a segment go to distinct rows past the end: dropped.
-  target = jnp.where(last, sidx, operand.shape[0] + jnp.arange(n, dtype=sidx.dtype))
-  dn = lax.ScatterDimensionNumbers(update_window_dims=tuple(range(1, upd.ndim)),
-                                   inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,))
-  return lax.scatter_add(operand, target[:, None], sums.astype(operand.dtype), dn,
-                         unique_indices=True, mode=lax.GatherScatterMode.FILL_OR_DROP)
-
-
 def scatter_add(opts: Options, eqn, operand, indices, updates):
   """Scatter-add whose indices may repeat, in a run-to-run fixed order.
 
@@ -241,8 +216,8 @@ def scatter_add(opts: Options, eqn, operand, indices, updates):
     if mode == lax.GatherScatterMode.CLIP:  # XLA clamps a window into the operand
       ids = jnp.clip(ids, 0, operand.shape[0] - 1)
     # FILL_OR_DROP drops an out-of-range id, and so does XLA's scatter under
-    # PROMISE_IN_BOUNDS (jnp indexing's gradient): _segment_rows drops them too.
-    out = _segment_rows(operand, ids, upd)
+    # PROMISE_IN_BOUNDS (jnp indexing's gradient): segment_rows_add drops them too.
+    out = segment_rows_add(operand, ids, upd)
     return _as_out_type(out, out_aval)
   one_dn = lax.ScatterDimensionNumbers(
       update_window_dims=tuple(range(1, 1 + len(window))),
