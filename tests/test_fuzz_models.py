@@ -94,7 +94,7 @@ _jit_call = nnx.jit(lambda m, t: m(t))
 # ----------------------------------------------------------------- eager vs jit (bitwise)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_decoder_eager_equals_jit(dtype):
   """The forward, logp and logits outside jit give the jitted program's bits (bf16 too: op by
   op, XLA rounds where the fused program does not)."""

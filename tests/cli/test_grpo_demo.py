@@ -78,6 +78,7 @@ def test_demo_runs_and_jaxrl_is_exactly_on_policy(tmp_path, capsys):
   assert "ratio was exactly 1" in lines[-1] and "stock XLA: the ratio differed" in lines[-2]
 
 
+@pytest.mark.slow  # the demo's loop runs in CI on the tiny model (test above)
 def test_decoder_lm_from_a_hf_folder_is_exactly_on_policy(hf_folder, tmp_path, capsys):
   """A DecoderLM loaded from a Hugging Face folder, in bfloat16 (the dtype of the real
   shapes), through the whole demo: sampler, trainer forward, jax.grad, Adam, CSV."""

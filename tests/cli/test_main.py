@@ -190,6 +190,7 @@ def test_package_ships_py_typed():
 SHARDED = ["parity", "--batch", "4", "--prompt-len", "4", "--new-tokens", "3"]
 
 
+@pytest.mark.slow  # the library claim runs in CI: tests/models/test_parallel.py
 def test_rollout_tp_against_train_fsdp_exits_zero_and_nonzero_on_a_drift(capsys, monkeypatch):
   assert main([*SHARDED, "--rollout-tp", "2", "--train-fsdp", "2"]) == 0
   out = capsys.readouterr().out

@@ -100,8 +100,8 @@ def f32():
 # (the largest tp), each pair at a product of 8, and all three at 2 on a jax.make_mesh mesh
 # (Explicit axes). The slow test runs the other twelve. Each layout compiles one program.
 PAIRINGS = [p for p in itertools.product((1, 2, 4, 8), repeat=3) if np.prod(p) <= 8]
-CI_PAIRINGS = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (4, 2, 1), (2, 1, 4), (1, 4, 2),
-               (2, 2, 2)]
+# In CI: each axis alone at its largest degree and all three mixed (the rest: slow).
+CI_PAIRINGS = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
 
 
 def _check_pairings(f32, pairings):
