@@ -683,12 +683,19 @@ class DecoderLM(nnx.Module):
     zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_hidden_layers))
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
-  def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache
-              ) -> tuple[jax.Array, KVCache]:
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache, *,
+              chunk: int | None = None) -> tuple[jax.Array, KVCache]:
     """Right-padded prompts ``tokens [B, P]`` of ``lengths [B]`` (``1 <= lengths <= P``).
 
     Writes the cache from position 0 (slots at or past ``lengths[b]`` hold the
     pads' keys, never read: decode overwrites them and masks past ``lengths``).
+
+    ``chunk``: a static int ``C >= 1``: the prompts in chunks of ``C`` positions, each
+    attending to the cache written by the chunks before it (a long prompt never needs one
+    ``[B, P]`` pass). Every row computation is the one-pass prefill's (the attention of a
+    query walks its keys from position 0 in the same tiles, whatever the number of queries
+    or the cache length; every other op is row-local), so the cache at positions below
+    ``lengths`` and the returned hidden states are bitwise those of ``chunk=None``.
 
     Returns:
       ``(hidden [B, H], cache)``: the final-norm hidden state of each row's last
@@ -697,6 +704,14 @@ class DecoderLM(nnx.Module):
     v = self.config.vocab_size
     tokens, lengths = check_prefill("DecoderLM.prefill", tokens, lengths, cache, v)
     b, p = tokens.shape
+    if chunk is not None:
+      if isinstance(chunk, bool) or not isinstance(chunk, int | np.integer) or chunk < 1:
+        raise ValueError(f"DecoderLM.prefill: chunk must be None or a static int >= 1, got "
+                         f"{chunk!r}")
+      if self.implementation == "xla":
+        raise ValueError("DecoderLM.prefill: chunk needs the invariant kernels; "
+                         "implementation='xla' (the stock baseline) prefills in one pass")
+      return self._prefill_chunks(tokens, lengths, cache, int(chunk))
     x = embed_ids(self.embed_tokens, tokens, v)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     keys, values = [], []
@@ -706,6 +721,32 @@ class DecoderLM(nnx.Module):
       values.append(lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
     h = self.norm(x)[jnp.arange(b), lengths - 1]
     return h, KVCache(tuple(keys), tuple(values), lengths)
+
+  def _prefill_chunks(self, tokens, lengths, cache: KVCache, chunk: int):
+    """:meth:`prefill` in chunks of ``chunk`` positions (static loop over the chunks)."""
+    b, p = tokens.shape
+    keys, values = list(cache.keys), list(cache.values)
+    h_last = None
+    rows = jnp.arange(b)
+    for s in range(0, p, chunk):
+      c = min(chunk, p - s)
+      positions = jnp.broadcast_to(jnp.arange(s, s + c, dtype=jnp.int32), (b, c))
+      x = embed_ids(self.embed_tokens, tokens[:, s:s + c], self.config.vocab_size)
+      seen = jnp.full((b,), s + c, jnp.int32)
+      for i, layer in enumerate(self.layers):
+        attn_mod = layer.self_attn
+        q, k, v = attn_mod.qkv(layer.input_layernorm(x), positions)
+        keys[i] = lax.dynamic_update_slice(keys[i], k.astype(keys[i].dtype), (0, s, 0, 0))
+        values[i] = lax.dynamic_update_slice(values[i], v.astype(values[i].dtype), (0, s, 0, 0))
+        attn = attn_mod.attend(q, keys[i], values[i], q_positions=positions, kv_lengths=seen)
+        x = layer._rest(x, attn)
+      y = self.norm(x)
+      # The row's last prompt token, if it lies in this chunk.
+      at = jnp.clip(lengths - 1 - s, 0, c - 1)
+      here = (lengths - 1 >= s) & (lengths - 1 < s + c)
+      pick = y[rows, at]
+      h_last = pick if h_last is None else jnp.where(here[:, None], pick, h_last)
+    return h_last, KVCache(tuple(keys), tuple(values), lengths)
 
   def decode_weights(self) -> tuple | None:
     """Each layer's ``o_proj`` / ``down_proj`` kernels in their chunk layout, for

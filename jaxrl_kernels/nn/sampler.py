@@ -106,14 +106,19 @@ SAMPLER_CHUNK = 32
 def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: int,
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
               top_p: float | None, steps_per_chunk: int = SAMPLER_CHUNK,
-              fused_draw: bool = True, num_samples: int = 1):
+              fused_draw: bool = True, num_samples: int = 1,
+              prefill_chunk: int | None = None):
   b, p = prompts.shape
   n = max_new_tokens
   total = p + n
   # The cache rounded up to whole key tiles: a key length the Mosaic attention's TMA does
   # not take would be padded (copied) per layer per step. Slots past a row's length are
   # never read, so the bits are those of any other cache length.
-  h, cache = model.prefill(prompts, prompt_lengths, model.init_cache(b, cache_length(total)))
+  cache = model.init_cache(b, cache_length(total))
+  if prefill_chunk is None:
+    h, cache = model.prefill(prompts, prompt_lengths, cache)
+  else:
+    h, cache = model.prefill(prompts, prompt_lengths, cache, chunk=prefill_chunk)
   if num_samples > 1:
     # Each prompt prefilled once, its hidden state and cache rows repeated for its
     # num_samples completions: prefill rows are batch-invariant, so these are the bits of
@@ -234,7 +239,7 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
 _generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature",
                                                     "stop_ids", "top_k", "top_p",
                                                     "steps_per_chunk", "fused_draw",
-                                                    "num_samples"))
+                                                    "num_samples", "prefill_chunk"))
 
 
 def _is_int(x) -> bool:
@@ -246,7 +251,7 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            eos_id: int | None = None, stop_ids: Sequence[int] = (),
            top_k: int | None = None, top_p: float | None = None,
            steps_per_chunk: int = SAMPLER_CHUNK, fused_draw: bool = True,
-           num_samples: int = 1) -> SampleResult:
+           num_samples: int = 1, prefill_chunk: int | None = None) -> SampleResult:
   """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
   Prefills the prompts, then per step: a token drawn with ``fold_in(key, step)`` and the
@@ -290,6 +295,9 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
       prompt-major (rows ``[i G, (i + 1) G)`` are prompt ``i``'s, the layout of
       ``rl.group_advantages(rewards, G)``), bitwise the result of sampling
       ``jnp.repeat(prompts, G, 0)`` with the same key.
+    prefill_chunk: static int ``C >= 1`` or None: prefill the prompts ``C`` positions at a
+      time (``model.prefill(..., chunk=C)``, models that take it: ``DecoderLM``); the same
+      cache and hidden states bitwise, so the same tokens and log-probs.
 
   Returns:
     A :class:`SampleResult` (``B G`` rows).
@@ -334,6 +342,9 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     raise ValueError(f"sample: fused_draw must be a bool, got {fused_draw!r}")
   if not _is_int(num_samples) or num_samples < 1:
     raise ValueError(f"sample: num_samples must be an int >= 1, got {num_samples!r}")
+  if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
+    raise ValueError(f"sample: prefill_chunk must be None or an int >= 1, got "
+                     f"{prefill_chunk!r}")
   if prompts.shape[0] == 0:
     total = prompts.shape[1] + int(max_new_tokens)
     return SampleResult(jnp.zeros((0, total), jnp.int32), jnp.zeros((0,), jnp.int32),
@@ -345,7 +356,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
                        # top_p = 1 keeps every token: no truncation (as in transformers).
                        top_p=None if top_p is None or top_p == 1 else float(top_p),
                        steps_per_chunk=int(steps_per_chunk), fused_draw=bool(fused_draw),
-                       num_samples=int(num_samples))
+                       num_samples=int(num_samples),
+                       prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
 
 
 # --------------------------------------------------------------------------------- scoring
