@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import _backend, _validation, contract
-from jaxrl_kernels.linear_logp import gemm_backward, xla
+from jaxrl_kernels.linear_logp import cpu, gemm_backward, xla
 from jaxrl_kernels.linear_logp.config import BackwardConfig
 from jaxrl_kernels.pallas import linear_logp_bwd, linear_logp_fwd, linear_logp_mosaic
 from jaxrl_kernels.pallas import lm_head_logits as pallas_logits
@@ -115,8 +115,6 @@ _MOSAIC = Backend(
 
 
 def _cpu_backend() -> Backend:
-  from jaxrl_kernels.linear_logp import cpu  # noqa: PLC0415 - XLA CPU code, loaded on use
-
   def backward(*args, config=None, entropy=True, **kw):
     del config, entropy  # one backward, with the entropy term
     return cpu.backward(*args, **kw)
@@ -126,14 +124,24 @@ def _cpu_backend() -> Backend:
                  partials_from_logits=cpu.partials_from_logits)
 
 
-# The one dispatch table. "xla" is the materialized baseline (linear_logp/xla.py):
-# no partials, JAX's own autodiff.
-BACKENDS: dict[str, Backend | None] = {
+def _no_partials(*args, **kwargs):
+  raise ValueError(f"{_OP}: implementation 'xla' is the materialized baseline "
+                   f"(linear_logp/xla.py, JAX's own autodiff): it has no per-tile partials or "
+                   f"backward kernels; use one of {PARTIAL_IMPLEMENTATIONS}")
+
+
+# "xla": the materialized baseline (linear_logp/xla.py). linear_logp runs it itself; every
+# partials entry point refuses it by name.
+_XLA = Backend(name="xla", tile_partials=_no_partials, merge_partials=_no_partials,
+               backward=_no_partials, logits=_no_partials)
+
+# The one dispatch table: implementation name -> backend record.
+BACKENDS: dict[str, Backend] = {
     "mosaic": _MOSAIC,
     "triton": _triton_backend("triton", interpret=False),
     "interpret": _triton_backend("interpret", interpret=True),
-    "cpu": None,  # built from jaxrl_kernels.linear_logp.cpu on first use
-    "xla": None,
+    "cpu": _cpu_backend(),
+    "xla": _XLA,
 }
 IMPLEMENTATIONS = tuple(BACKENDS)
 #: Implementations with a vocab-parallel (partials) form.
@@ -145,8 +153,6 @@ def backend(implementation: str) -> Backend:
   if implementation not in PARTIAL_IMPLEMENTATIONS:
     raise ValueError(f"{_OP}: implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
-  if BACKENDS[implementation] is None:
-    BACKENDS[implementation] = _cpu_backend()
   return BACKENDS[implementation]
 
 
