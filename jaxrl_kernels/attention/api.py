@@ -51,7 +51,7 @@ from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels.attention import cpu, mosaic, triton
 from jaxrl_kernels.attention.base import AttentionBackend
 from jaxrl_kernels.attention.xla import causal_attention_xla
-from jaxrl_kernels.pallas import attention_mosaic, attention_triton
+from jaxrl_kernels.pallas import attention_triton
 
 _OP = "causal_attention"
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
@@ -89,13 +89,13 @@ class _Static:
 @_backend.kernel_jit(static_argnums=(5,))
 def _forward(q, k, v, q_positions, kv_lengths, st):
   """``(out, lse2)`` of the forward kernel of ``st.impl``."""
-  if st.heads_major:  # the Mosaic forward's layout only (_grouped_as_rows sets it)
-    if st.impl != "mosaic":
-      raise ValueError(f"causal_attention: the heads-major layout is the Mosaic forward's, "
-                       f"not {st.impl!r}'s")
-    return attention_mosaic.forward(q, k, v, q_positions, kv_lengths, scale=st.scale,
-                                    heads_major=True)
-  return BACKENDS[st.impl].forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
+  be = BACKENDS[st.impl]
+  if st.heads_major:  # a backend with the layout only (_grouped_as_rows sets it)
+    if be.forward_heads_major is None:
+      raise ValueError(f"causal_attention: implementation {st.impl!r} has no heads-major "
+                       f"forward")
+    return be.forward_heads_major(q, k, v, q_positions, kv_lengths, scale=st.scale)
+  return be.forward(q, k, v, q_positions, kv_lengths, scale=st.scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -28,9 +28,13 @@ class AttentionBackend:
     backward: ``(q, k, v, q_positions, kv_lengths, out, lse2, d_out, *, scale,
       every_row_sees_a_key=False) -> (dq, dk, dv)``.
     supported: ``(d, dtype) -> None`` or the reason this backend cannot run it.
+    forward_heads_major: ``forward`` with ``q`` and the output as ``[B, Hq, Tq, D]`` (a
+      decode step's query heads reach the kernel with no copy), or None where the backend
+      has no such layout.
   """
 
   name: str
   forward: Callable
   backward: Callable
   supported: Callable
+  forward_heads_major: Callable | None = None

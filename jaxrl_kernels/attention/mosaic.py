@@ -9,6 +9,8 @@ bits, not the Triton kernel's). It writes the Triton forward's residual format
 
 from __future__ import annotations
 
+import functools
+
 from jaxrl_kernels.attention.base import AttentionBackend
 from jaxrl_kernels.pallas import attention_mosaic, attention_mosaic_bwd
 
@@ -16,4 +18,5 @@ BACKEND = AttentionBackend(
     "mosaic",
     forward=attention_mosaic.forward,
     backward=attention_mosaic_bwd.backward,
-    supported=attention_mosaic.supported)
+    supported=attention_mosaic.supported,
+    forward_heads_major=functools.partial(attention_mosaic.forward, heads_major=True))
