@@ -58,8 +58,9 @@ def main():
   grouped = lambda: sample(model, prompts, lengths, num_samples=a.group, **kw)  # noqa: E731
   repeated = lambda: sample(model, rep_p, rep_l, **kw)  # noqa: E731
   g, r = grouped(), repeated()
+  bits = lambda x: np.asarray(x).view(np.uint32)  # noqa: E731
   same = (np.array_equal(np.asarray(g.tokens), np.asarray(r.tokens))
-          and np.array_equal(np.asarray(g.logp).view(np.uint32), np.asarray(r.logp).view(np.uint32)))
+          and np.array_equal(bits(g.logp), bits(r.logp)))
   t_group = _time(grouped, a.repeats)
   t_rep = _time(repeated, a.repeats)
   total = cache_length(a.prompt_len + a.new_tokens)
