@@ -47,7 +47,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--out", default=None)
   a = ap.parse_args()
-  model = models.preset(a.preset, 0, "bfloat16", num_hidden_layers=a.layers)
+  over = {} if a.layers is None else {"num_hidden_layers": a.layers}
+  model = models.preset(a.preset, 0, "bfloat16", **over)
   rng = np.random.default_rng(0)
   v = model.config.vocab_size
   prompts = jnp.asarray(rng.integers(0, v, (a.prompts, a.prompt_len)), jnp.int32)
