@@ -74,7 +74,7 @@ def make_tiny_folder(path: str, *, seed: int = 0) -> str:
                "chat_template": template}, f)
   model = models.preset("qwen2.5-0.5b", seed, "float32", num_hidden_layers=2, hidden_size=64,
                         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=128)
+                        head_dim=16, vocab_size=len(words))
   models.save_pretrained(model, path)
   return path
 
@@ -101,7 +101,10 @@ def _completions(tok, res, lengths, group):
   out = []
   for r in range(tokens.shape[0]):
     n = int(lengths[r // group])
-    out.append(tok.decode(tokens[r, n:n + int(mask[r].sum())]))
+    ids = tokens[r, n:n + int(mask[r].sum())]
+    # A checkpoint's vocabulary may be padded past the tokenizer's (Qwen: 151936 rows for
+    # 151665 ids): such ids have no text.
+    out.append(tok.decode(ids[ids < tok.vocab_size]))
   return out
 
 

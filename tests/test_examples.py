@@ -37,3 +37,23 @@ def test_grpo_example_is_bitwise_on_policy_without_flags():
     assert abs(loss) < 1e3 and 0.0 <= reward <= 1.0
     # Every completion token of the 4 rows (4 tokens each) is compared on its raw bits.
     assert tokens == 16 and differ == 0 and drift == "0.0", m[0]
+
+
+_HF = pathlib.Path(__file__).resolve().parents[1] / "examples" / "grpo_hf.py"
+
+
+def test_grpo_hf_example_runs_on_a_tiny_folder_on_policy(tmp_path):
+  """examples/grpo_hf.py end to end on a tiny random folder with a tokenizer, with the user's
+  default flags: every step's ratio exactly 1, the stock path's drift reported, the
+  checkpoint reloaded with the same log-prob bits, history and plot written."""
+  out = tmp_path / "out"
+  r = subprocess.run(
+      [sys.executable, str(_HF), "--tiny-folder", str(tmp_path / "tiny"), "--out", str(out),
+       "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4"],
+      env=_user_env(), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  steps = [line for line in r.stdout.splitlines() if " step " in line]
+  assert len(steps) == 2 and all("ratio==1 yes" in line for line in steps), r.stdout
+  assert "reloaded log-probs bitwise equal: yes" in r.stdout
+  assert (out / "history.csv").read_text().count("\n") == 3
+  assert (out / "checkpoint" / "config.json").exists()
