@@ -324,7 +324,10 @@ class Completion(NamedTuple):
 
 def _cut(tokenizer: Tokenizer, ids: list[int], text: str,
          stop_strings: Sequence[str]) -> tuple[str, int] | None:
-  """``(cut text, kept tokens)`` at the first stop string in ``text``, or None."""
+  """``(cut text, kept tokens)`` at the first stop string in ``text``, or None. The kept
+  tokens end before the first prefix of ``ids`` that decodes past the cut (a prefix ending
+  inside a multi-byte character decodes to replacement characters, so lengths of prefixes
+  need not grow with the prefix)."""
   hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
   if not hits:
     return None
@@ -351,10 +354,10 @@ def generate_text(model: nn.CausalLM, tokenizer: Tokenizer,
   Stop strings: the sampler stops on ids only, so a completion runs to an eos id or
   ``max_new_tokens``; then its text is cut just before the first occurrence (lowest
   position) of any stop string (the stop string is not part of ``text``). The kept tokens
-  are the longest prefix ``ids[:k]`` of the completion whose decoded text is no longer than
-  the cut text: those whose decoded text ends at or before the cut. A token whose text
-  straddles the cut is dropped, with everything after it. ``token_ids`` and ``logp`` hold
-  the kept tokens.
+  are those whose decoded text ends at or before the cut: the longest prefix ``ids[:k]``
+  such that no ``ids[:j]``, ``j <= k``, decodes to more characters than the cut text. A
+  token whose text straddles the cut is dropped, with everything after it (``text`` keeps
+  the part of its text before the cut). ``token_ids`` and ``logp`` hold the kept tokens.
 
   Args:
     model: a :class:`jaxrl_kernels.nn.CausalLM` whose vocabulary holds the tokenizer's ids.
@@ -369,10 +372,10 @@ def generate_text(model: nn.CausalLM, tokenizer: Tokenizer,
   if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
     raise ValueError(f"generate_text: stop_strings must be a sequence of non-empty strings, "
                      f"got {stop_strings!r}")
-  prompts = list(prompts) if not isinstance(prompts, str) else prompts
   if isinstance(prompts, str):
     raise ValueError("generate_text: prompts must be a list of strings or of message lists, "
                      "got a str (wrap it in a list)")
+  prompts = list(prompts)
   v = model.config.vocab_size
   if tokenizer.vocab_size > v:
     raise ValueError(f"generate_text: the tokenizer has {tokenizer.vocab_size} ids but the "

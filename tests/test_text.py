@@ -211,10 +211,13 @@ def _scored(lm, tok, outs, prompts, g, temperature):
   return [got[r][mask[r]] for r in range(len(seqs))]
 
 
+# One set of sampling arguments for the tests below: one compiled sampler between them.
+GEN = dict(max_new_tokens=8, key=jax.random.key(3), temperature=0.9, num_samples=2)
+
+
 def test_generate_text_logp_is_score_bitwise(lm, tok):
-  g = 2
-  outs = text.generate_text(lm, tok, PROMPTS, max_new_tokens=8, key=jax.random.key(3),
-                            temperature=0.9, num_samples=g)
+  g = GEN["num_samples"]
+  outs = text.generate_text(lm, tok, PROMPTS, **GEN)
   assert len(outs) == len(PROMPTS) * g
   assert [o.prompt for o in outs] == [p for p in PROMPTS for _ in range(g)]
   assert outs[0].token_ids != outs[1].token_ids  # a group's samples differ
@@ -230,40 +233,45 @@ def test_generate_text_logp_is_score_bitwise(lm, tok):
 
 def test_generate_text_stops_at_eos(lm, tmp_path, tokenizer_json, tok):
   """An eos id from generation_config.json ends the completion: finish_reason 'stop'."""
-  kw = dict(max_new_tokens=6, key=jax.random.key(1), top_k=1)
-  first = text.generate_text(lm, tok, PROMPTS[:1], **kw)[0]
+  first = text.generate_text(lm, tok, PROMPTS, **GEN)[0]
   assert first.finish_reason == "length"
   eos = first.token_ids[2]
   t = text.Tokenizer.from_pretrained(_folder(tmp_path, tokenizer_json, gen_eos=eos))
   assert t.eos_ids == tuple(sorted({2, eos}))
-  out = text.generate_text(lm, t, PROMPTS[:1], **kw)[0]
+  out = text.generate_text(lm, t, PROMPTS, **GEN)[0]
   k = first.token_ids.index(eos) + 1
   assert out.token_ids == first.token_ids[:k] and out.finish_reason == "stop"
   assert_bitwise_equal(out.logp, first.logp[:k], "the same tokens, the same bits")
 
 
 def test_stop_strings_cut_text_and_tokens(lm, tok):
-  kw = dict(max_new_tokens=12, key=jax.random.key(7), temperature=1.0)
+  kw = GEN
   full = text.generate_text(lm, tok, PROMPTS, **kw)
-  # A stop string taken from the middle of the first completion's text; another that
-  # never occurs.
-  s = full[0].text
-  assert len(s) >= 6, s
-  stop = s[3:5]
-  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=("\x00never", stop), **kw)
+  # Stop strings from the sampled texts: one that begins inside a token of several characters
+  # (that token straddles the cut), one from the middle of the first text, one never found.
+  straddle = next(
+      f.text[c + 1:c + 3] for f in full for j, t in enumerate(f.token_ids)
+      if len(piece := tok.decode([t])) >= 2 and piece.isascii()
+      and f.text[(c := len(tok.decode(f.token_ids[:j]))):c + len(piece)] == piece)
+  stops = ("\x00never", full[0].text[3:5], straddle)
+  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=stops, **kw)
+  straddled = 0
   for f, o in zip(full, outs, strict=True):
-    cut = f.text.find(stop)
-    if cut < 0:
+    hits = [i for i in (f.text.find(s) for s in stops) if i >= 0]
+    if not hits:
       assert (o.text, o.token_ids, o.finish_reason) == (f.text, f.token_ids, f.finish_reason)
       assert_bitwise_equal(o.logp, f.logp, "no stop string: all kept")
       continue
+    cut = min(hits)
     assert o.text == f.text[:cut] and o.finish_reason == "stop"
     k = len(o.token_ids)
     # The rule: the longest prefix of tokens whose decoded text ends at or before the cut.
     assert o.token_ids == f.token_ids[:k]
-    assert len(tok.decode(f.token_ids[:k])) <= cut < len(tok.decode(f.token_ids[:k + 1]))
+    assert all(len(tok.decode(f.token_ids[:j])) <= cut for j in range(k + 1))
+    assert len(tok.decode(f.token_ids[:k + 1])) > cut
     assert_bitwise_equal(o.logp, f.logp[:k], "kept log-probs")
-  assert outs[0].text == full[0].text[:full[0].text.find(stop)]
+    straddled += len(tok.decode(o.token_ids)) < cut
+  assert outs[0].finish_reason == "stop" and straddled >= 1
   with pytest.raises(ValueError, match="stop_strings must be a sequence of non-empty"):
     text.generate_text(lm, tok, PROMPTS, stop_strings="x", **kw)
 
