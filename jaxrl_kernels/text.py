@@ -150,7 +150,11 @@ class Tokenizer:
       eos.add(self.eos_id)
     self.eos_ids = tuple(sorted(eos))
     self.add_bos_token = bool(config.get("add_bos_token", False))
-    self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+    # The clean-up is for WordPiece-style decoders; on a BPE model it would delete real spaces
+    # before punctuation, and transformers skips it there too.
+    self.clean_up_tokenization_spaces = (
+        bool(config.get("clean_up_tokenization_spaces", False))
+        and type(backend.model).__name__ != "BPE")
     self.chat_template = chat_template
     self._template = None
 
@@ -195,7 +199,8 @@ class Tokenizer:
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``. ``add_special_tokens``: tokenizer.json's post-processor runs
     (e.g. Llama 3's leading ``<|begin_of_text|>``), and with ``add_bos_token`` a bos id
-    leads the ids if the post-processor did not put one there."""
+    leads the ids if the post-processor did not put one there (``add_bos_token`` False
+    removes no bos the post-processor writes)."""
     if not isinstance(text, str):
       raise ValueError(f"Tokenizer.encode: text must be a str, got {type(text).__name__}")
     ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -206,8 +211,8 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
     """The text of ``ids`` (special tokens left out with ``skip_special_tokens``); with
-    tokenizer_config.json's ``clean_up_tokenization_spaces``, spaces before punctuation
-    removed as ``transformers`` does."""
+    tokenizer_config.json's ``clean_up_tokenization_spaces`` and a model other than BPE,
+    spaces before punctuation and contractions removed as ``transformers`` does."""
     ids = [int(i) for i in np.asarray(ids, np.int64).reshape(-1)]
     bad = [i for i in ids if not 0 <= i < self.vocab_size]
     if bad:

@@ -1,8 +1,11 @@
 """jaxrl_kernels.text: a tokenizer folder read with `tokenizers`, its chat template rendered
 as `transformers` renders it, and generate_text whose log-probs are the trainer's bits."""
 
+import ast
 import json
+import pathlib
 import shutil
+import sys
 
 import jax
 import jinja2
@@ -12,7 +15,7 @@ from flax import nnx
 from helpers import assert_bitwise_equal
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, trainers
-from tokenizers.models import BPE
+from tokenizers.models import BPE, WordLevel
 
 from jaxrl_kernels import text
 from jaxrl_kernels.nn.sampler import score
@@ -105,6 +108,24 @@ def test_add_bos_token(tmp_path, tokenizer_json):
   assert t.encode("Hello")[1:] == t.encode("Hello", add_special_tokens=False)
 
 
+def test_clean_up_tokenization_spaces(tmp_path, tokenizer_json):
+  """The clean-up joins punctuation for a word-level model and leaves a BPE model's text as
+  it is (there it would delete spaces the text has)."""
+  wl = HFTokenizer(WordLevel({w: i for i, w in enumerate(
+      ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Hello", ",", "I", "'m", "fine", "."])},
+      unk_token="<|endoftext|>"))
+  wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  wl_json = tmp_path / "wl.json"
+  wl.save(str(wl_json))
+  s = "Hello , I 'm fine ."
+  for path, name, want in ((wl_json, "wl", "Hello, I'm fine."), (tokenizer_json, "bpe", s)):
+    t = text.Tokenizer.from_pretrained(_folder(tmp_path, path, name=name,
+                                               clean_up_tokenization_spaces=True))
+    assert t.decode(t.encode(s)) == want, name
+  plain = text.Tokenizer.from_pretrained(_folder(tmp_path, wl_json, name="off"))
+  assert plain.decode(plain.encode(s)) == s
+
+
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Hello, how are you?"},
             {"role": "assistant", "content": "I am fine."},
@@ -184,6 +205,30 @@ def test_errors_name_argument_and_file(tmp_path, tokenizer_json, tok):
     text.Tokenizer.from_pretrained(_folder(tmp_path, tokenizer_json, name="g", gen_eos="x"))
   with pytest.raises(ValueError, match=r"decode: ids must lie in \[0, 300\), got 300"):
     tok.decode([5, 300])
+
+
+def test_optional_packages_named_in_import_error(monkeypatch, folder):
+  monkeypatch.setitem(sys.modules, "jinja2", None)
+  t = text.Tokenizer.from_pretrained(folder)  # jinja2 is imported when a template renders
+  with pytest.raises(ImportError, match=r"'jinja2' package \(pip install jaxrl_kernels\[text\]"):
+    t.apply_chat_template(MESSAGES)
+  monkeypatch.setitem(sys.modules, "tokenizers", None)
+  with pytest.raises(ImportError, match=r"'tokenizers' package \(pip install "
+                                        r"jaxrl_kernels\[text\]\)"):
+    text.Tokenizer.from_pretrained(folder)
+
+
+def test_no_library_module_imports_text():
+  """jaxrl_kernels.text sits above the library: nothing else in the package imports it."""
+  root = pathlib.Path(text.__file__).parent
+  for path in root.rglob("*.py"):
+    if path.name == "text.py" and path.parent == root:
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [f"{node.module}.{a.name}" for a in node.names]
+               if isinstance(node, ast.ImportFrom) and node.module else [])
+      assert not any(n.startswith("jaxrl_kernels.text") for n in names), path
 
 
 # ------------------------------------------------------------------------ generate_text
