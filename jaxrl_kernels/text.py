@@ -272,7 +272,8 @@ class Tokenizer:
     for i, p in enumerate(prompts):
       if isinstance(p, str):
         ids = self.encode(p, add_special_tokens=True)
-      elif isinstance(p, Sequence) and all(isinstance(m, dict) for m in p):
+      elif isinstance(p, Sequence) and not isinstance(p, bytes):
+        _check_messages(f"Tokenizer.batch: prompts[{i}]", p)
         ids = self.encode(self.apply_chat_template(p, add_generation_prompt=True),
                           add_special_tokens=False)
       else:

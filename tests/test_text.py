@@ -195,6 +195,11 @@ def test_errors_name_argument_and_file(tmp_path, tokenizer_json, tok):
   with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with 'role' and "
                                        r"'content', got \['role', 'text'\]"):
     tok.apply_chat_template([MESSAGES[0], {"role": "user", "text": "hi"}])
+  with pytest.raises(ValueError, match=r"batch: prompts\[1\]: messages\[0\] must be a dict "
+                                       r"with 'role' and 'content', got \['content'\]"):
+    tok.batch(["Hi", [{"content": "x"}]])
+  with pytest.raises(ValueError, match=r"prompts\[0\] must be a str or a list of message dicts"):
+    tok.batch([3])
   with pytest.raises(ValueError, match=r"prompts\[1\] has \d+ tokens, more than max_length=3"):
     tok.batch(["Hi", "The answer is 42."], max_length=3)
   with pytest.raises(ValueError, match=r"prompts\[0\] encodes to no tokens"):
