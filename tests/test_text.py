@@ -6,6 +6,7 @@ import json
 import pathlib
 import shutil
 import sys
+import tomllib
 
 import jax
 import jinja2
@@ -234,6 +235,14 @@ def test_no_library_module_imports_text():
                [f"{node.module}.{a.name}" for a in node.names]
                if isinstance(node, ast.ImportFrom) and node.module else [])
       assert not any(n.startswith("jaxrl_kernels.text") for n in names), path
+
+
+def test_text_extra_in_pyproject():
+  """`pip install jaxrl_kernels[text]` brings both packages; CI's `.[test]` does too."""
+  with open(pathlib.Path(text.__file__).parent.parent / "pyproject.toml", "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+  assert extras["text"] == ["tokenizers", "jinja2"]
+  assert {"tokenizers", "jinja2"} <= set(extras["test"])
 
 
 # ------------------------------------------------------------------------ generate_text
