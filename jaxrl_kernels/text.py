@@ -136,7 +136,8 @@ class Tokenizer:
     self.eos_token = tokens["eos_token"]
     self.pad_token = tokens["pad_token"]
     self.unk_token = tokens["unk_token"]
-    self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+    # One past the largest id (added tokens included): the ids need not be contiguous.
+    self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     ids = {}
     for name, s in tokens.items():
       i = None if s is None else backend.token_to_id(s)
