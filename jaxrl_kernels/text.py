@@ -136,7 +136,8 @@ class Tokenizer:
     self.eos_token = tokens["eos_token"]
     self.pad_token = tokens["pad_token"]
     self.unk_token = tokens["unk_token"]
-    self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+    # One past the largest id (added tokens included): the ids need not be contiguous.
+    self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     ids = {}
     for name, s in tokens.items():
       i = None if s is None else backend.token_to_id(s)
@@ -150,7 +151,11 @@ class Tokenizer:
       eos.add(self.eos_id)
     self.eos_ids = tuple(sorted(eos))
     self.add_bos_token = bool(config.get("add_bos_token", False))
-    self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+    # The clean-up is for WordPiece-style decoders; on a BPE model it would delete real spaces
+    # before punctuation, and transformers skips it there too.
+    self.clean_up_tokenization_spaces = (
+        bool(config.get("clean_up_tokenization_spaces", False))
+        and type(backend.model).__name__ != "BPE")
     self.chat_template = chat_template
     self._template = None
 
@@ -195,7 +200,8 @@ class Tokenizer:
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``. ``add_special_tokens``: tokenizer.json's post-processor runs
     (e.g. Llama 3's leading ``<|begin_of_text|>``), and with ``add_bos_token`` a bos id
-    leads the ids if the post-processor did not put one there."""
+    leads the ids if the post-processor did not put one there (``add_bos_token`` False
+    removes no bos the post-processor writes)."""
     if not isinstance(text, str):
       raise ValueError(f"Tokenizer.encode: text must be a str, got {type(text).__name__}")
     ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -206,8 +212,8 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
     """The text of ``ids`` (special tokens left out with ``skip_special_tokens``); with
-    tokenizer_config.json's ``clean_up_tokenization_spaces``, spaces before punctuation
-    removed as ``transformers`` does."""
+    tokenizer_config.json's ``clean_up_tokenization_spaces`` and a model other than BPE,
+    spaces before punctuation and contractions removed as ``transformers`` does."""
     ids = [int(i) for i in np.asarray(ids, np.int64).reshape(-1)]
     bad = [i for i in ids if not 0 <= i < self.vocab_size]
     if bad:
@@ -267,7 +273,8 @@ class Tokenizer:
     for i, p in enumerate(prompts):
       if isinstance(p, str):
         ids = self.encode(p, add_special_tokens=True)
-      elif isinstance(p, Sequence) and all(isinstance(m, dict) for m in p):
+      elif isinstance(p, Sequence) and not isinstance(p, bytes):
+        _check_messages(f"Tokenizer.batch: prompts[{i}]", p)
         ids = self.encode(self.apply_chat_template(p, add_generation_prompt=True),
                           add_special_tokens=False)
       else:
@@ -324,7 +331,10 @@ class Completion(NamedTuple):
 
 def _cut(tokenizer: Tokenizer, ids: list[int], text: str,
          stop_strings: Sequence[str]) -> tuple[str, int] | None:
-  """``(cut text, kept tokens)`` at the first stop string in ``text``, or None."""
+  """``(cut text, kept tokens)`` at the first stop string in ``text``, or None. The kept
+  tokens end before the first prefix of ``ids`` that decodes past the cut (a prefix ending
+  inside a multi-byte character decodes to replacement characters, so lengths of prefixes
+  need not grow with the prefix)."""
   hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
   if not hits:
     return None
@@ -351,10 +361,10 @@ def generate_text(model: nn.CausalLM, tokenizer: Tokenizer,
   Stop strings: the sampler stops on ids only, so a completion runs to an eos id or
   ``max_new_tokens``; then its text is cut just before the first occurrence (lowest
   position) of any stop string (the stop string is not part of ``text``). The kept tokens
-  are the longest prefix ``ids[:k]`` of the completion whose decoded text is no longer than
-  the cut text: those whose decoded text ends at or before the cut. A token whose text
-  straddles the cut is dropped, with everything after it. ``token_ids`` and ``logp`` hold
-  the kept tokens.
+  are those whose decoded text ends at or before the cut: the longest prefix ``ids[:k]``
+  such that no ``ids[:j]``, ``j <= k``, decodes to more characters than the cut text. A
+  token whose text straddles the cut is dropped, with everything after it (``text`` keeps
+  the part of its text before the cut). ``token_ids`` and ``logp`` hold the kept tokens.
 
   Args:
     model: a :class:`jaxrl_kernels.nn.CausalLM` whose vocabulary holds the tokenizer's ids.
@@ -369,10 +379,10 @@ def generate_text(model: nn.CausalLM, tokenizer: Tokenizer,
   if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
     raise ValueError(f"generate_text: stop_strings must be a sequence of non-empty strings, "
                      f"got {stop_strings!r}")
-  prompts = list(prompts) if not isinstance(prompts, str) else prompts
   if isinstance(prompts, str):
     raise ValueError("generate_text: prompts must be a list of strings or of message lists, "
                      "got a str (wrap it in a list)")
+  prompts = list(prompts)
   v = model.config.vocab_size
   if tokenizer.vocab_size > v:
     raise ValueError(f"generate_text: the tokenizer has {tokenizer.vocab_size} ids but the "

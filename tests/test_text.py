@@ -1,8 +1,12 @@
 """jaxrl_kernels.text: a tokenizer folder read with `tokenizers`, its chat template rendered
 as `transformers` renders it, and generate_text whose log-probs are the trainer's bits."""
 
+import ast
 import json
+import pathlib
 import shutil
+import sys
+import tomllib
 
 import jax
 import jinja2
@@ -12,7 +16,7 @@ from flax import nnx
 from helpers import assert_bitwise_equal
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, trainers
-from tokenizers.models import BPE
+from tokenizers.models import BPE, WordLevel
 
 from jaxrl_kernels import text
 from jaxrl_kernels.nn.sampler import score
@@ -105,6 +109,24 @@ def test_add_bos_token(tmp_path, tokenizer_json):
   assert t.encode("Hello")[1:] == t.encode("Hello", add_special_tokens=False)
 
 
+def test_clean_up_tokenization_spaces(tmp_path, tokenizer_json):
+  """The clean-up joins punctuation for a word-level model and leaves a BPE model's text as
+  it is (there it would delete spaces the text has)."""
+  wl = HFTokenizer(WordLevel({w: i for i, w in enumerate(
+      ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Hello", ",", "I", "'m", "fine", "."])},
+      unk_token="<|endoftext|>"))
+  wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  wl_json = tmp_path / "wl.json"
+  wl.save(str(wl_json))
+  s = "Hello , I 'm fine ."
+  for path, name, want in ((wl_json, "wl", "Hello, I'm fine."), (tokenizer_json, "bpe", s)):
+    t = text.Tokenizer.from_pretrained(_folder(tmp_path, path, name=name,
+                                               clean_up_tokenization_spaces=True))
+    assert t.decode(t.encode(s)) == want, name
+  plain = text.Tokenizer.from_pretrained(_folder(tmp_path, wl_json, name="off"))
+  assert plain.decode(plain.encode(s)) == s
+
+
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Hello, how are you?"},
             {"role": "assistant", "content": "I am fine."},
@@ -174,6 +196,11 @@ def test_errors_name_argument_and_file(tmp_path, tokenizer_json, tok):
   with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with 'role' and "
                                        r"'content', got \['role', 'text'\]"):
     tok.apply_chat_template([MESSAGES[0], {"role": "user", "text": "hi"}])
+  with pytest.raises(ValueError, match=r"batch: prompts\[1\]: messages\[0\] must be a dict "
+                                       r"with 'role' and 'content', got \['content'\]"):
+    tok.batch(["Hi", [{"content": "x"}]])
+  with pytest.raises(ValueError, match=r"prompts\[0\] must be a str or a list of message dicts"):
+    tok.batch([3])
   with pytest.raises(ValueError, match=r"prompts\[1\] has \d+ tokens, more than max_length=3"):
     tok.batch(["Hi", "The answer is 42."], max_length=3)
   with pytest.raises(ValueError, match=r"prompts\[0\] encodes to no tokens"):
@@ -184,6 +211,38 @@ def test_errors_name_argument_and_file(tmp_path, tokenizer_json, tok):
     text.Tokenizer.from_pretrained(_folder(tmp_path, tokenizer_json, name="g", gen_eos="x"))
   with pytest.raises(ValueError, match=r"decode: ids must lie in \[0, 300\), got 300"):
     tok.decode([5, 300])
+
+
+def test_optional_packages_named_in_import_error(monkeypatch, folder):
+  monkeypatch.setitem(sys.modules, "jinja2", None)
+  t = text.Tokenizer.from_pretrained(folder)  # jinja2 is imported when a template renders
+  with pytest.raises(ImportError, match=r"'jinja2' package \(pip install jaxrl_kernels\[text\]"):
+    t.apply_chat_template(MESSAGES)
+  monkeypatch.setitem(sys.modules, "tokenizers", None)
+  with pytest.raises(ImportError, match=r"'tokenizers' package \(pip install "
+                                        r"jaxrl_kernels\[text\]\)"):
+    text.Tokenizer.from_pretrained(folder)
+
+
+def test_no_library_module_imports_text():
+  """jaxrl_kernels.text sits above the library: nothing else in the package imports it."""
+  root = pathlib.Path(text.__file__).parent
+  for path in root.rglob("*.py"):
+    if path.name == "text.py" and path.parent == root:
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [f"{node.module}.{a.name}" for a in node.names]
+               if isinstance(node, ast.ImportFrom) and node.module else [])
+      assert not any(n.startswith("jaxrl_kernels.text") for n in names), path
+
+
+def test_text_extra_in_pyproject():
+  """`pip install jaxrl_kernels[text]` brings both packages; CI's `.[test]` does too."""
+  with open(pathlib.Path(text.__file__).parent.parent / "pyproject.toml", "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+  assert extras["text"] == ["tokenizers", "jinja2"]
+  assert {"tokenizers", "jinja2"} <= set(extras["test"])
 
 
 # ------------------------------------------------------------------------ generate_text
@@ -211,10 +270,13 @@ def _scored(lm, tok, outs, prompts, g, temperature):
   return [got[r][mask[r]] for r in range(len(seqs))]
 
 
+# One set of sampling arguments for the tests below: one compiled sampler between them.
+GEN = dict(max_new_tokens=8, key=jax.random.key(3), temperature=0.9, num_samples=2)
+
+
 def test_generate_text_logp_is_score_bitwise(lm, tok):
-  g = 2
-  outs = text.generate_text(lm, tok, PROMPTS, max_new_tokens=8, key=jax.random.key(3),
-                            temperature=0.9, num_samples=g)
+  g = GEN["num_samples"]
+  outs = text.generate_text(lm, tok, PROMPTS, **GEN)
   assert len(outs) == len(PROMPTS) * g
   assert [o.prompt for o in outs] == [p for p in PROMPTS for _ in range(g)]
   assert outs[0].token_ids != outs[1].token_ids  # a group's samples differ
@@ -230,40 +292,45 @@ def test_generate_text_logp_is_score_bitwise(lm, tok):
 
 def test_generate_text_stops_at_eos(lm, tmp_path, tokenizer_json, tok):
   """An eos id from generation_config.json ends the completion: finish_reason 'stop'."""
-  kw = dict(max_new_tokens=6, key=jax.random.key(1), top_k=1)
-  first = text.generate_text(lm, tok, PROMPTS[:1], **kw)[0]
+  first = text.generate_text(lm, tok, PROMPTS, **GEN)[0]
   assert first.finish_reason == "length"
   eos = first.token_ids[2]
   t = text.Tokenizer.from_pretrained(_folder(tmp_path, tokenizer_json, gen_eos=eos))
   assert t.eos_ids == tuple(sorted({2, eos}))
-  out = text.generate_text(lm, t, PROMPTS[:1], **kw)[0]
+  out = text.generate_text(lm, t, PROMPTS, **GEN)[0]
   k = first.token_ids.index(eos) + 1
   assert out.token_ids == first.token_ids[:k] and out.finish_reason == "stop"
   assert_bitwise_equal(out.logp, first.logp[:k], "the same tokens, the same bits")
 
 
 def test_stop_strings_cut_text_and_tokens(lm, tok):
-  kw = dict(max_new_tokens=12, key=jax.random.key(7), temperature=1.0)
+  kw = GEN
   full = text.generate_text(lm, tok, PROMPTS, **kw)
-  # A stop string taken from the middle of the first completion's text; another that
-  # never occurs.
-  s = full[0].text
-  assert len(s) >= 6, s
-  stop = s[3:5]
-  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=("\x00never", stop), **kw)
+  # Stop strings from the sampled texts: one that begins inside a token of several characters
+  # (that token straddles the cut), one from the middle of the first text, one never found.
+  straddle = next(
+      f.text[c + 1:c + 3] for f in full for j, t in enumerate(f.token_ids)
+      if len(piece := tok.decode([t])) >= 2 and piece.isascii()
+      and f.text[(c := len(tok.decode(f.token_ids[:j]))):c + len(piece)] == piece)
+  stops = ("\x00never", full[0].text[3:5], straddle)
+  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=stops, **kw)
+  straddled = 0
   for f, o in zip(full, outs, strict=True):
-    cut = f.text.find(stop)
-    if cut < 0:
+    hits = [i for i in (f.text.find(s) for s in stops) if i >= 0]
+    if not hits:
       assert (o.text, o.token_ids, o.finish_reason) == (f.text, f.token_ids, f.finish_reason)
       assert_bitwise_equal(o.logp, f.logp, "no stop string: all kept")
       continue
+    cut = min(hits)
     assert o.text == f.text[:cut] and o.finish_reason == "stop"
     k = len(o.token_ids)
     # The rule: the longest prefix of tokens whose decoded text ends at or before the cut.
     assert o.token_ids == f.token_ids[:k]
-    assert len(tok.decode(f.token_ids[:k])) <= cut < len(tok.decode(f.token_ids[:k + 1]))
+    assert all(len(tok.decode(f.token_ids[:j])) <= cut for j in range(k + 1))
+    assert len(tok.decode(f.token_ids[:k + 1])) > cut
     assert_bitwise_equal(o.logp, f.logp[:k], "kept log-probs")
-  assert outs[0].text == full[0].text[:full[0].text.find(stop)]
+    straddled += len(tok.decode(o.token_ids)) < cut
+  assert outs[0].finish_reason == "stop" and straddled >= 1
   with pytest.raises(ValueError, match="stop_strings must be a sequence of non-empty"):
     text.generate_text(lm, tok, PROMPTS, stop_strings="x", **kw)
 
