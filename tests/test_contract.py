@@ -448,7 +448,7 @@ _PARTIALS = [pytest.param("interpret", marks=pytest.mark.slow, id="interpret")
              for p in IMPLEMENTATIONS if p.values[0] in logp_api.PARTIAL_IMPLEMENTATIONS]
 
 
-@pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.parametrize("layout", ["hv", pytest.param("vh", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("implementation", _PARTIALS)
 def test_vocab_shards_merge_to_the_unsharded_bits(layout, implementation):
   """Tensor parallelism over the vocabulary, emulated on one device: the tile partials of

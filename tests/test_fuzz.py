@@ -203,7 +203,7 @@ def ref_attention(q, k, v, qpos, kvlen, scale):
 # rl
 
 
-@fuzz(12)
+@fuzz(6)
 @given(seed=SEEDS, b=st.sampled_from([0, 3]), t=st.sampled_from([1, 4]), mask_kind=MASK_KINDS,
        form=MASK_FORMS, garbage=GARBAGE, scale=st.sampled_from([0.3, 3.0, 1e4]),
        token_level=st.booleans(), per_token=st.booleans(),
@@ -242,7 +242,7 @@ def test_ppo_clip_loss(seed, b, t, mask_kind, form, garbage, scale, token_level,
       float(np.mean(np.abs(d) > CLAMP)) if d.size else 0.0, abs=1e-6)
 
 
-@fuzz(6)
+@fuzz(4)
 @given(seed=SEEDS, b=st.sampled_from([1, 3]), t=st.just(4), mask_kind=MASK_KINDS,
        garbage=GARBAGE, beta=st.sampled_from([0.0, 0.1]), use_jit=st.booleans(),
        kind=st.sampled_from(["k1", "k2", "k3"]))
@@ -276,7 +276,7 @@ def test_kl_ratio_tis_and_grpo(seed, b, t, mask_kind, garbage, beta, use_jit, ki
   assert np.all(np.isfinite(g)) and np.all(g[~mask] == 0)
 
 
-@fuzz(12)
+@fuzz(6)
 @given(seed=SEEDS, groups=st.sampled_from([1, 3]), k=st.sampled_from([1, 3, 64]),
        ids_form=st.sampled_from(["int", "ids"]), mask_kind=MASK_KINDS,
        normalize_std=st.booleans(), garbage=GARBAGE, use_jit=st.booleans())
@@ -306,7 +306,7 @@ def test_group_advantages(seed, groups, k, ids_form, mask_kind, normalize_std, g
   assert np.all(out[~valid] == 0)
 
 
-@fuzz(6)
+@fuzz(4)
 @given(seed=SEEDS, docs=st.sampled_from([(1,), (3, 2, 4)]), n_pad=st.sampled_from([0, 2]),
        pad_id=st.sampled_from([None, 10**6]), garbage=GARBAGE,
        scale=st.sampled_from([0.02, 50.0]), use_jit=st.booleans())
@@ -491,7 +491,7 @@ def _lm_case(rng, t, h, v, dtype, layout, with_bias):
   return x, w, (None if bias is None else jnp.asarray(bias, dtype)), tg
 
 
-@fuzz(5)
+@fuzz(3)
 @given(seed=SEEDS, t=st.sampled_from([1, 5]), h=st.sampled_from([8, 20]),
        v=st.sampled_from([3, 130]), dtype=st.sampled_from(["float32", "bfloat16"]),
        layout=st.sampled_from(["hv", "vh"]), with_bias=st.booleans(), mask_kind=MASK_KINDS,
@@ -595,7 +595,7 @@ def test_pad_vocab(seed, v, tp, layout, with_bias):
   COUNTS["agree"] += 1
 
 
-@fuzz(3)
+@fuzz(2)
 @given(seed=SEEDS, tp=st.sampled_from([2, 4]), layout=st.sampled_from(["hv", "vh"]),
        mask_kind=MASK_KINDS, use_jit=st.booleans())
 def test_vocab_parallel_logp_matches_unsharded(seed, tp, layout, mask_kind, use_jit):

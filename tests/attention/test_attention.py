@@ -220,8 +220,9 @@ def _same_rows_as(f, g, q, k, v):
 
 @pytest.mark.parametrize("impl", ["interpret", "cpu"])
 @pytest.mark.parametrize("dtype,hq,hkv,tq", [
-    (jnp.float32, 4, 2, 70), (jnp.bfloat16, 6, 2, 70), (jnp.bfloat16, 7, 1, 1),
-    (jnp.float16, 6, 3, 5),
+    (jnp.float32, 4, 2, 70), (jnp.bfloat16, 6, 2, 70),
+    pytest.param(jnp.bfloat16, 7, 1, 1, marks=pytest.mark.slow),
+    pytest.param(jnp.float16, 6, 3, 5, marks=pytest.mark.slow),
 ])
 def test_group_folding_keeps_the_bits(impl, dtype, hq, hkv, tq):
   """GQA: the query heads of a group run as rows of one head (api._grouped_as_rows). Every

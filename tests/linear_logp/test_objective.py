@@ -69,7 +69,9 @@ CASES = [  # implementation, dtype, bias, temperature, objective kwargs
     ("cpu", "bfloat16", False, 1.0, dict(beta=0.04, kl_kind="k2", token_level=False)),
     ("cpu", "float32", False, 1.3, dict(entropy_coef=0.0, clip_high=0.28, denominator=7.0)),
     ("cpu", "float32", True, 1.0, dict(objective="gspo", entropy_coef=0.02)),
-    ("interpret", "float32", True, 0.7, dict(beta=0.05, entropy_coef=0.01)),
+    # The interpreted kernels: in CI through the golden digest (tests/golden_cases.py).
+    pytest.param("interpret", "float32", True, 0.7, dict(beta=0.05, entropy_coef=0.01),
+                 marks=pytest.mark.slow),
 ]
 
 

@@ -123,7 +123,8 @@ def test_direct_call_inside_users_shard_map():
   assert_bitwise_equal(lp, ref_lp, "direct shard_map")
 
 
-@pytest.mark.parametrize("tp, v", [(2, 100), (4, 300), (8, 200)])
+@pytest.mark.parametrize("tp, v", [pytest.param(2, 100, marks=pytest.mark.slow),
+                                   pytest.param(4, 300, marks=pytest.mark.slow), (8, 200)])
 def test_shards_of_padding_only(tp, v):
   """A vocabulary smaller than (tp - 1) tiles: the last shards hold padding only (what
   pad_vocab gives). Logp and entropy bitwise the unsharded op's, gradients to tolerance,
