@@ -289,6 +289,18 @@ def validate(op: str, hidden, weight, targets, *, bias, mask, temperature, weigh
   return Inputs(hidden, weight, targets, bias, mask, temperature, compute_dtype, v)
 
 
+def rows(op: str, x: Inputs):
+  """``(lead, T, hidden [T, H], targets [T], mask [T] or None)`` of validated inputs, the
+  token axes flattened. Concrete active ids outside ``[0, V)`` raise here (eager calls fail
+  loudly); traced ones give NaN."""
+  if _validation.is_concrete(x.targets, x.mask):
+    _validation.check_ids_in_range(op, "targets", x.targets, x.vocab_size, x.mask)
+  lead = x.targets.shape
+  t = math.prod(lead)
+  m2 = None if x.mask is None else x.mask.reshape(t)
+  return lead, t, x.hidden.reshape(t, x.hidden.shape[-1]), x.targets.reshape(t), m2
+
+
 def zero_masked_rows(hidden2d: jax.Array, mask: jax.Array | None) -> jax.Array:
   """Masked rows replaced by zeros (a select): whatever they hold (NaN, inf) then
   reaches no output and no gradient, and the rows' own gradient is exactly 0."""
@@ -438,14 +450,7 @@ def linear_logp(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
   if config is not None and not isinstance(config, BackwardConfig):
     raise TypeError(f"{_OP}: config must be a BackwardConfig or None, got {config!r}")
   impl = resolve(_OP, implementation, x.compute_dtype)
-  if _validation.is_concrete(x.targets, x.mask):
-    # Eager calls fail loudly; traced ones give NaN.
-    _validation.check_ids_in_range(_OP, "targets", x.targets, x.vocab_size, x.mask)
-  lead = x.targets.shape
-  t = math.prod(lead)
-  h2 = x.hidden.reshape(t, x.hidden.shape[-1])
-  t2 = x.targets.reshape(t)
-  m2 = None if x.mask is None else x.mask.reshape(t)
+  lead, t, h2, t2, m2 = rows(_OP, x)
   if t == 0:
     logp = ent = jnp.zeros((0,), jnp.float32)
   else:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -161,13 +160,7 @@ def linear_objective(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
     raise TypeError(f"{_OP}: config must be a BackwardConfig or None, got {config!r}")
   impl = api.resolve(_OP, implementation, x.compute_dtype,
                      supported=api.PARTIAL_IMPLEMENTATIONS)
-  if _validation.is_concrete(x.targets, x.mask):
-    _validation.check_ids_in_range(_OP, "targets", x.targets, x.vocab_size, x.mask)
-  lead = x.targets.shape
-  t = math.prod(lead)
-  h2 = x.hidden.reshape(t, x.hidden.shape[-1])
-  t2 = x.targets.reshape(t)
-  m2 = None if x.mask is None else x.mask.reshape(t)
+  lead, t, h2, t2, m2 = api.rows(_OP, x)
   h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
   head = api._Static(weight_layout, x.compute_dtype.name, impl, x.vocab_size, config, True)
   st = _Static(head, objective, cfg, bool(entropy_grad), tuple(lead), h2.dtype.name,
