@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import checkify
 
 from jaxrl_kernels import _validation as val
+from jaxrl_kernels.linear_logp.objective import linear_objective
 from jaxrl_kernels.reduce.masked import (
     AxisNames,
     as_axis_names,
@@ -730,11 +731,12 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
   ``bias`` (:func:`~jaxrl_kernels.linear_logp.objective.linear_objective`): the backward
   pass of ``jax.grad`` only scales it by the loss cotangent.
 
-  Bits: ``metrics["logp"]`` is bitwise ``linear_logp``'s (so the sampler's);
-  ``metrics["entropy"]`` is ``linear_logp``'s entropy; the loss is bitwise
-  ``policy_loss(linear_logp(..., return_entropy=True), ...)`` and, for ``jax.grad`` of the
-  loss, the gradients are bitwise that composition's gradients (the same kernels with the
-  same cotangents): dH rows batch-invariant, dW deterministic run to run.
+  Bits: ``metrics["logp"]`` and ``metrics["entropy"]`` are bitwise ``linear_logp``'s (so
+  the sampler's); the loss, the other metrics and the gradients of ``jax.grad`` equal the
+  unfused ``policy_loss(linear_logp(..., return_entropy=True), ...)`` to float rounding (the
+  objective's sums and element-wise gradient are XLA code in another program); dH rows are
+  batch-invariant (with a fixed ``denominator`` or exact global counts), dW deterministic run
+  to run.
 
   Args:
     hidden: ``[..., T, H]`` (e.g. ``[B, T, H]``) final hidden states.
@@ -749,8 +751,6 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
     ``entropy`` (float32, ``targets.shape``, 0 at masked tokens for ``logp``). Metrics carry
     no gradient.
   """
-  from jaxrl_kernels.linear_logp.objective import linear_objective  # noqa: PLC0415
-
   fn = "linear_policy_loss"
   entropy_coef = val.as_scalar(fn, "entropy_coef", entropy_coef)
   arrays = dict(old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,

@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--micro-batch-groups", type=cli.positive_int, default=2,
                  help="groups per micro-batch (the trainer's batch size, in groups)")
   p.add_argument("--lr", type=cli.positive_float, default=3e-3, help="Adam learning rate")
-  p.add_argument("--new-tokens", type=_new_tokens, default=NEW_TOKENS,
+  p.add_argument("--new-tokens", type=cli.int_at_least(NEW_TOKENS, " (two digits and <eos>)"),
+                 default=NEW_TOKENS,
                  help=f"completion tokens sampled per prompt (>= {NEW_TOKENS})")
   p.add_argument("--temperature", type=cli.temperature, default=1.0,
                  help="sampling temperature")
@@ -116,18 +117,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--out", default="grpo_demo_out", help="folder for the CSV and the PNG")
   p.add_argument("--no-plot", action="store_true", help="write the CSV only")
   return p
-
-
-def _new_tokens(text: str) -> int:
-  """argparse type of ``--new-tokens``: an int >= :data:`NEW_TOKENS`."""
-  try:
-    value = int(text)
-  except ValueError:
-    value = None
-  if value is None or value < NEW_TOKENS:
-    raise argparse.ArgumentTypeError(f"must be an int >= {NEW_TOKENS} (two digits and <eos>), "
-                                     f"got {text!r}")
-  return value
 
 
 def make_prompts(rng: np.random.Generator, n: int, new_tokens: int = NEW_TOKENS):

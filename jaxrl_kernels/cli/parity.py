@@ -350,8 +350,9 @@ def parity_report(args, mesh: jax.sharding.Mesh | None = None) -> bool:
 TINY_LM_PRESETS = ("test", "tiny", "small")
 
 
-def _int_at_least(minimum: int):
-  """An argparse type: an int >= ``minimum`` (argparse names the flag in its error)."""
+def int_at_least(minimum: int, why: str = ""):
+  """An argparse type: an int >= ``minimum`` (argparse names the flag in its error; ``why``
+  follows the bound in the message)."""
 
   def parse(text: str) -> int:
     try:
@@ -359,14 +360,14 @@ def _int_at_least(minimum: int):
     except ValueError:
       value = None
     if value is None or value < minimum:
-      raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {text!r}")
+      raise argparse.ArgumentTypeError(f"must be an int >= {minimum}{why}, got {text!r}")
     return value
 
   return parse
 
 
-positive_int = _int_at_least(1)
-non_negative_int = _int_at_least(0)
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 SEED_MAX = 2**32 - 1
 

@@ -13,11 +13,12 @@ forward pass runs
 3. the head's backward kernels with those cotangents: ``dH``, ``dW``, ``db``.
 
 The ``custom_vjp`` backward then only scales the stored gradients by the loss cotangent
-(``ct * dH`` in float32, then the hidden's dtype; ``ct * dW`` in the weight's dtype). With the
-cotangent 1 of ``jax.grad(loss)`` the gradients are bitwise those of
-``jax.grad(objective(linear_logp(...)))``: the same kernels get the same cotangents. Another
-cotangent ``c`` gives ``c`` times the gradient of cotangent 1 (for a 16-bit weight, ``c``
-times its rounded ``dW``: one rounding more than the unfused composition).
+(in float32, then rounded to the parameter's dtype). The head's kernels get the per-token
+cotangents that ``jax.grad(objective(linear_logp(...)))`` would give them, so the gradients
+equal that composition's to float rounding (the objective's own element-wise gradient is XLA
+code compiled into another program); a power-of-two loss cotangent scales them exactly; for
+a 16-bit weight another cotangent ``c`` gives ``c`` times its rounded ``dW`` (one rounding
+more than the unfused composition).
 
 The head's work is the same as ``linear_logp`` forward + backward (one logits GEMM forward,
 the logits GEMM again and the dH and dW GEMMs after), all of it in the forward pass: a
@@ -112,7 +113,7 @@ def _fused_bwd(st, res, cts):
   dh, dw, db = res
   ct = jnp.asarray(cts[0], jnp.float32)
   dh = (ct * dh).astype(st.hidden_dtype)
-  dw = (ct.astype(dw.dtype) * dw).astype(dw.dtype)
+  dw = (ct * dw.astype(jnp.float32)).astype(dw.dtype)
   if db is not None:
     db = (ct * db).astype(st.bias_dtype)
   # No gradient to the temperature, the ids, the mask or the objective's operands; the

@@ -402,6 +402,17 @@ class DecoderLayer(nnx.Module):
                                                 docs=docs))
     return self._rest(x, attn), k, v
 
+  def extend(self, x, positions, cache_k, cache_v, start: int):
+    """A chunk of every row's prompt ``x [B, C, H]`` at ``positions`` ``start ..
+    start + C - 1``: writes its ``k, v`` into the cache there and attends to slots ``0 ..``
+    each query's position. Returns ``(x, cache_k, cache_v)``."""
+    q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
+    cache_k = lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
+    cache_v = lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
+    seen = jnp.full((x.shape[0],), start + x.shape[1], jnp.int32)
+    attn = self.self_attn.attend(q, cache_k, cache_v, q_positions=positions, kv_lengths=seen)
+    return self._rest(x, attn), cache_k, cache_v
+
   def decode_weights(self) -> tuple[ChunkedWeight | None, ChunkedWeight | None]:
     """``o_proj`` and ``down_proj`` kernels in their chunk layout, for :meth:`decode`."""
     return self.self_attn.o_proj.chunked_kernel(), self.mlp.down_proj.chunked_kernel()
@@ -732,14 +743,8 @@ class DecoderLM(nnx.Module):
       c = min(chunk, p - s)
       positions = jnp.broadcast_to(jnp.arange(s, s + c, dtype=jnp.int32), (b, c))
       x = embed_ids(self.embed_tokens, tokens[:, s:s + c], self.config.vocab_size)
-      seen = jnp.full((b,), s + c, jnp.int32)
       for i, layer in enumerate(self.layers):
-        attn_mod = layer.self_attn
-        q, k, v = attn_mod.qkv(layer.input_layernorm(x), positions)
-        keys[i] = lax.dynamic_update_slice(keys[i], k.astype(keys[i].dtype), (0, s, 0, 0))
-        values[i] = lax.dynamic_update_slice(values[i], v.astype(values[i].dtype), (0, s, 0, 0))
-        attn = attn_mod.attend(q, keys[i], values[i], q_positions=positions, kv_lengths=seen)
-        x = layer._rest(x, attn)
+        x, keys[i], values[i] = layer.extend(x, positions, keys[i], values[i], s)
       y = self.norm(x)
       # The row's last prompt token, if it lies in this chunk.
       at = jnp.clip(lengths - 1 - s, 0, c - 1)

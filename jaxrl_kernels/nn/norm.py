@@ -117,11 +117,15 @@ def _over_rows(v: jax.Array, impl: str) -> jax.Array:
 
 def _backward(x, weight, g, eps: float, impl: str):
   """``(dx, dw)`` of the float32 formula: dx by XLA's autodiff of the rows (row-local),
-  dw as the fixed-order sum over rows of ``g * x32 rsqrt(mean(x32^2) + eps)``."""
-  _, vjp = jax.vjp(lambda x: _formula(x, weight, eps, stock=True), x)
+  dw as the fixed-order sum over rows of ``g * y``, ``y = x32 rsqrt(mean(x32^2) + eps)``."""
+
+  def rows(x):  # the stock formula, with its normalized rows y as aux
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
+    return (weight.astype(jnp.float32) * y).astype(x.dtype), y
+
+  _, vjp, y = jax.vjp(rows, x, has_aux=True)
   (dx,) = vjp(g)
-  x32 = x.astype(jnp.float32)
-  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
   # The formula rounds w * y to x's dtype: its cotangent reaches w * y as g in float32.
   dw = _over_rows(g.astype(jnp.float32) * y, impl).astype(weight.dtype)
   return dx, dw

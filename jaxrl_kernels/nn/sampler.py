@@ -291,7 +291,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
       is a draw from the same softmax, with other tokens for the same key; the reported
       log-probs are the trainer's bits either way.
     num_samples: static int ``G >= 1``: completions per prompt (a GRPO group). Each prompt
-      is prefilled once and its cache shared by its ``G`` rows; the result has ``B G`` rows,
+      is prefilled once, its hidden state and cache rows repeated for its ``G`` rows (the
+      prefill's work once, the cache held ``G`` times); the result has ``B G`` rows,
       prompt-major (rows ``[i G, (i + 1) G)`` are prompt ``i``'s, the layout of
       ``rl.group_advantages(rewards, G)``), bitwise the result of sampling
       ``jnp.repeat(prompts, G, 0)`` with the same key.

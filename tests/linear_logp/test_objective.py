@@ -1,8 +1,9 @@
 """``rl.linear_policy_loss`` / ``linear_objective``: the policy loss fused into the LM head.
 
-Claims: the loss, the metrics, the per-token ``logp`` / ``entropy`` and the gradients of
-``jax.grad(loss)`` are bitwise those of the unfused composition ``policy_loss(linear_logp(...))``
-(the same kernels get the same cotangents); ``logp`` is bitwise ``linear_logp``'s; dH rows are
+Claims: the per-token ``logp`` / ``entropy`` are bitwise ``linear_logp``'s; the loss, the
+metrics and the gradients of ``jax.grad(loss)`` equal the unfused composition
+``policy_loss(linear_logp(...))`` to float rounding (the same kernels get the same per-token
+cotangents; the objective's XLA code is compiled into another program); dH rows are
 batch-invariant and dW deterministic run to run; the float64 truth is met; ``jax.checkpoint``,
 a scaled loss and data-parallel ``shard_map`` compose.
 """
@@ -76,7 +77,7 @@ CASES = [  # implementation, dtype, bias, temperature, objective kwargs
 
 
 @pytest.mark.parametrize("impl,dtype,use_bias,temperature,kw", CASES)
-def test_fused_is_bitwise_the_unfused_composition(impl, dtype, use_bias, temperature, kw):
+def test_fused_matches_the_unfused_composition(impl, dtype, use_bias, temperature, kw):
   d = _inputs(dtype)
   kw = dict(kw)
   if kw.get("objective") == "gspo":
