@@ -16,6 +16,7 @@ from jaxrl_kernels import models as models
 from jaxrl_kernels import nn as nn
 from jaxrl_kernels import rl as rl
 from jaxrl_kernels import train as train
+from jaxrl_kernels._version import __version__ as __version__
 from jaxrl_kernels.attention import causal_attention as causal_attention
 from jaxrl_kernels.diagnostics import DriftReport as DriftReport
 from jaxrl_kernels.diagnostics import logprob_drift as logprob_drift
@@ -36,5 +37,3 @@ from jaxrl_kernels.reduce.masked import masked_mean as masked_mean
 from jaxrl_kernels.reduce.masked import masked_sum as masked_sum
 from jaxrl_kernels.transform import NotRewrittenWarning as NotRewrittenWarning
 from jaxrl_kernels.transform import batch_invariant as batch_invariant
-
-__version__ = "0.1.0"

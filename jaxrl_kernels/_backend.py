@@ -45,10 +45,28 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = ("mosaic", "triton", "interpret", "cuda", "cpu", "xla")
+# SMs of an H100 SXM: the persistent grid size when the device does not report
+# its core count (tracing on a CPU host).
+DEFAULT_NUM_SMS = 132
 
 
 class ImplementationUnavailableError(RuntimeError):
   """The requested implementation exists but cannot run on this machine."""
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the default device: one persistent CTA each."""
+  return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_SMS
+
+
+def cdiv(a: int, b: int) -> int:
+  """``ceil(a / b)`` of Python ints."""
+  return -(-a // b)
+
+
+def round_up(x: int, q: int) -> int:
+  """The smallest multiple of ``q`` that is ``>= x`` (Python ints)."""
+  return cdiv(x, q) * q
 
 
 @functools.cache

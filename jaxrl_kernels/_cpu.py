@@ -30,15 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_kernels._backend import cdiv
 from jaxrl_kernels.contract import CPU_ROW_BLOCK
 
 __all__ = ["CPU_ROW_BLOCK", "cdiv", "dot_f32", "from_storage", "guard", "opaque_zero",
            "pad_rows", "storage_dtype", "sum_to_match", "to_storage", "tree_sum_last",
            "varying_like"]
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
 
 
 def _varying_axes(x) -> frozenset:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 from collections.abc import Callable
 
 import jax
@@ -728,3 +729,12 @@ def test_control_gpu_jnp_sum_changes_bits():
   padded = np.asarray(f(jnp.pad(x[:16], ((0, 0), (0, 50000)))))
   assert (not np.array_equal(bits(alone), bits(full[:16]))
           or not np.array_equal(bits(padded), bits(full[:16])))
+
+
+def test_package_version_is_pyproject_version():
+  import tomllib
+
+  from jaxrl_kernels._version import __version__
+  root = pathlib.Path(__file__).resolve().parents[1]
+  with open(root / "pyproject.toml", "rb") as f:
+    assert tomllib.load(f)["project"]["version"] == __version__

@@ -18,8 +18,8 @@ import sys
 
 import jax
 
-import jaxrl_kernels
 from jaxrl_kernels import _backend
+from jaxrl_kernels._version import __version__
 from jaxrl_kernels.cli import parity
 
 COMMANDS = ("parity", "kernels", "grpo-demo")
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
   p = parity.Parser(prog="jaxrl-kernels", description=DESCRIPTION,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("-V", "--version", action="version",
-                 version=f"jaxrl-kernels {jaxrl_kernels.__version__} (jax {jax.__version__})")
+                 version=f"jaxrl-kernels {__version__} (jax {jax.__version__})")
   sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
   fmt = argparse.ArgumentDefaultsHelpFormatter
   parity.add_parity_arguments(sub.add_parser(

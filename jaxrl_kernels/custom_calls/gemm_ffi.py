@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_kernels import _backend
+from jaxrl_kernels._backend import cdiv, num_sms, round_up
 from jaxrl_kernels.contract import GEMM_TILE_K
 from jaxrl_kernels.custom_calls import build
-from jaxrl_kernels.pallas._common import cdiv, num_sms, round_up
 
 TARGET_NAME = "jaxrl_det_gemm_sm90"
 INPUT_DTYPES = ("bfloat16", "float16")

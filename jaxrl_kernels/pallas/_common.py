@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -23,9 +22,6 @@ LOG2E = math.log2(math.e)
 # Shared memory per CTA on Hopper (227 KiB); mosaic_loop.SMEM_BUDGET keeps a
 # margin for barriers below it.
 HOPPER_SMEM_BYTES = 232448
-# SMs of an H100 SXM: the persistent grid size when the device does not report
-# its core count (tracing on a CPU host).
-DEFAULT_NUM_SMS = 132
 
 
 def cdiv(a, b):
@@ -78,11 +74,6 @@ def smem_load(ref, *, layout):
   if _LOAD_NEEDS_INDEX:
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
-
-
-def num_sms() -> int:
-  """Streaming multiprocessors of the default device: one persistent CTA each."""
-  return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_SMS
 
 
 def group_swizzle(pid, n_rows: int, n_cols: int, group_rows: int):

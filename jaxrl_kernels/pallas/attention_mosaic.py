@@ -69,11 +69,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import contract
+from jaxrl_kernels._backend import DEFAULT_NUM_SMS, num_sms
 from jaxrl_kernels.pallas._common import (
-  DEFAULT_NUM_SMS,
   LOG2E,
   cdiv,
-  num_sms,
   round_up,
   smem_load,
 )

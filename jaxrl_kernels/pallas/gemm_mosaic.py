@@ -27,9 +27,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxrl_kernels._backend import DEFAULT_NUM_SMS
 from jaxrl_kernels.pallas import mosaic_loop
 from jaxrl_kernels.pallas._common import (
-  DEFAULT_NUM_SMS,
   mosaic_warpgroup_params,
   round_up,
   smem_transforms,

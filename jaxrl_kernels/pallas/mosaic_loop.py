@@ -34,12 +34,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxrl_kernels._backend import num_sms
 from jaxrl_kernels.contract import GEMM_TILE_K
 from jaxrl_kernels.pallas._common import (
   HOPPER_SMEM_BYTES,
   cdiv,
   mosaic_warpgroup_params,
-  num_sms,
   smem_load,
   smem_transforms,
 )

@@ -529,7 +529,7 @@ def test_mosaic_persistent_default_rule():
   default module is the persistent one there, and a non-bool ``persistent`` is refused by
   name."""
   from jaxrl_kernels.pallas import attention_mosaic as am
-  sms = am.DEFAULT_NUM_SMS
+  sms = _backend.DEFAULT_NUM_SMS
   assert not am.persistent_for(7, sms)  # one wave: nothing to walk
   assert am.persistent_for(7, sms + 1) and am.persistent_for(64, 4 * sms)
   assert not am.persistent_for(7, 4 * sms + 1)  # past four waves: no measured gain

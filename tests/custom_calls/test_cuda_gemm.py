@@ -22,8 +22,8 @@ import pytest
 from helpers import TOL, assert_bitwise_equal, bits, rel_err, wide_rows
 
 from jaxrl_kernels import _backend
+from jaxrl_kernels._backend import num_sms
 from jaxrl_kernels.custom_calls import build, gemm_ffi
-from jaxrl_kernels.pallas._common import num_sms
 
 LAYOUTS = [(False, False), (False, True), (True, False)]  # NN, NT, TN
 # (lhs_transposed, rhs_transposed, float32 output): TN (dB) writes the input dtype only.
