@@ -21,6 +21,14 @@ GEMM_TILE_K = 64
 # walk, 32 elements for float32 (3xTF32 dots) and 64 for 16-bit inputs.
 GEMM_TRITON_BLOCK_K = {"bfloat16": 64, "float16": 64, "float32": 32}
 
+# --- grouped_gemm (mixture-of-experts)
+# Rows per tile of the tile-aligned group layout (grouped_gemm/layout.py): each
+# expert's rows start on a multiple of it, so every tile holds one expert's rows
+# and every product is a [GROUPED_GEMM_BLOCK_M, K] x [K, N-block] dot walking K in
+# the GEMM's K tile (GEMM_TRITON_BLOCK_K; CPU_COL_BLOCK columns on the CPU), whatever
+# the number of rows the expert got.
+GROUPED_GEMM_BLOCK_M = 64
+
 # --- linear_logp
 # Vocab columns per softmax partial (m, s, u): partials are merged in ascending
 # tile order, and tensor-parallel shard boundaries must fall on multiples of it.

@@ -1,0 +1,76 @@
+"""The tile-aligned group layout: each expert's rows start on a row tile.
+
+Routing gives ``A = tokens * k`` assignments, each naming an expert. They are
+placed in a buffer of ``P`` rows (a static bound, see :func:`group_layout`)
+grouped by expert in ascending expert order, assignments of one expert in
+ascending assignment order, and every expert's group starting on a multiple of
+``GROUPED_GEMM_BLOCK_M``: a row tile never mixes experts, so the grouped GEMM
+computes each tile as one fixed-shape product with one expert's weight, and a
+row's bits depend on its own values and its expert only (not on how many rows
+the expert got, nor on where the row landed). Unused rows are zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_kernels._backend import cdiv
+from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M
+
+
+class GroupLayout(NamedTuple):
+  """Where each assignment's row lives (a pytree of int32 arrays).
+
+  Attributes:
+    dest: ``[A]``: the buffer row of assignment ``a``.
+    tile_expert: ``[P / GROUPED_GEMM_BLOCK_M]``: the expert of each row tile (tiles
+      after the last used one name the last expert; their rows are zero).
+    tile_start: ``[E]``: the first tile of each expert's group.
+    tile_count: ``[E]``: the number of tiles of each expert's group (0 when unrouted).
+  """
+
+  dest: jax.Array
+  tile_expert: jax.Array
+  tile_start: jax.Array
+  tile_count: jax.Array
+
+  @property
+  def rows(self) -> int:
+    """``P``, the buffer's static row count."""
+    return self.tile_expert.shape[0] * GROUPED_GEMM_BLOCK_M
+
+
+def num_tiles(assignments: int, num_experts: int) -> int:
+  """The static tile bound for ``assignments`` rows over ``num_experts`` groups: each
+  non-empty group wastes less than one tile, and at most ``min(E, A)`` are non-empty."""
+  return cdiv(assignments, GROUPED_GEMM_BLOCK_M) + min(num_experts, assignments)
+
+
+def group_layout(expert_ids: jax.Array, num_experts: int) -> GroupLayout:
+  """The layout of ``expert_ids`` (int ``[A]``, each in ``[0, num_experts)``).
+
+  Integer arithmetic only (a stable sort, counts, exclusive sums): exact and
+  deterministic on every device.
+  """
+  if expert_ids.ndim != 1 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise ValueError(f"group_layout: expert_ids must be a 1-D integer array, got "
+                     f"{expert_ids.dtype} {expert_ids.shape}")
+  a = expert_ids.shape[0]
+  bm = GROUPED_GEMM_BLOCK_M
+  ids = expert_ids.astype(jnp.int32)
+  counts = jnp.zeros((num_experts,), jnp.int32).at[ids].add(1)
+  tile_count = (counts + bm - 1) // bm
+  tile_end = jnp.cumsum(tile_count)
+  tile_start = tile_end - tile_count
+  order = jnp.argsort(ids, stable=True)
+  sorted_ids = ids[order]
+  group_begin = jnp.cumsum(counts) - counts
+  rank = jnp.arange(a, dtype=jnp.int32) - group_begin[sorted_ids]
+  dest = jnp.zeros((a,), jnp.int32).at[order].set(tile_start[sorted_ids] * bm + rank,
+                                                  unique_indices=True)
+  tiles = jnp.arange(num_tiles(a, num_experts), dtype=jnp.int32)
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tiles, side="right"), num_experts - 1)
+  return GroupLayout(dest, tile_expert.astype(jnp.int32), tile_start, tile_count)

@@ -1,0 +1,105 @@
+"""``moe_mlp``: a dropless mixture-of-experts SwiGLU layer on the grouped GEMM.
+
+Per token ``t`` with router row ``l_t = x_t @ W_router``:
+``y_t = sum_j w_tj * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over its top-k experts
+``e = e_tj`` (:func:`~jaxrl_kernels.moe.routing.route`). Dropless: every assignment is
+computed (no capacity factor; dropping tokens depends on the batch, see
+docs/CONTRACT.md). The combine adds the k weighted expert outputs in float32 in rank
+order, each product guarded against FMA contraction, with one rounding at the end.
+So a token's output is bitwise independent of the batch, of padding and of its place,
+for every implementation but ``"xla"`` (the stock path: XLA's router product,
+``jax.nn.softmax``, ``lax.top_k`` and ``jax.lax.ragged_dot``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_kernels._cpu import guard, opaque_zero
+from jaxrl_kernels.gemm import det_matmul
+from jaxrl_kernels.grouped_gemm import api as grouped_api
+from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul
+from jaxrl_kernels.moe.routing import route
+
+
+class MoEOutput(NamedTuple):
+  """``moe_mlp``'s result with what the router losses need.
+
+  Attributes:
+    y: ``[..., H]`` the layer's output.
+    logits: ``[T, E]`` float32 router logits (``T`` the flattened tokens).
+    probs: ``[T, E]`` float32 router probabilities.
+    experts: ``[T, k]`` int32 chosen experts, in rank order.
+  """
+
+  y: jax.Array
+  logits: jax.Array
+  probs: jax.Array
+  experts: jax.Array
+
+
+def _stock_route(logits, k, normalize):
+  probs = jax.nn.softmax(logits, axis=-1)
+  weights, experts = lax.top_k(probs, k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32), probs
+
+
+def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *, k: int,
+            normalize: bool, implementation: str | None = None) -> MoEOutput:
+  """A mixture-of-experts SwiGLU layer (module docstring).
+
+  Args:
+    x: ``[..., H]`` activations.
+    router: ``[H, E]`` router weight.
+    gate_up: ``[E, H, 2I]`` expert gate and up projections, columns interleaved
+      (``gate_up[e][:, 0::2]`` gate, ``[:, 1::2]`` up).
+    down: ``[E, I, H]`` expert down projections.
+    k: experts per token.
+    normalize: renormalize the top-k probabilities (``norm_topk_prob``; Mixtral: True).
+    implementation: of the router GEMM and the grouped GEMM (``det_matmul`` and
+      ``grouped_matmul`` names; ``"xla"`` is the stock path throughout).
+
+  Returns:
+    :class:`MoEOutput`; ``y`` in ``x``'s dtype.
+  """
+  h = x.shape[-1]
+  num_experts = router.shape[-1]
+  if router.shape != (h, num_experts) or gate_up.shape[:2] != (num_experts, h) or (
+      down.shape != (num_experts, gate_up.shape[2] // 2, h)) or gate_up.shape[2] % 2:
+    raise ValueError(f"moe_mlp: expected router [H, E], gate_up [E, H, 2I], down [E, I, H] "
+                     f"with H={h} (x {x.shape}); got router {router.shape}, gate_up "
+                     f"{gate_up.shape}, down {down.shape}")
+  impl = grouped_api.resolve_implementation(implementation, x.dtype)
+  stock = not grouped_api.BACKENDS[impl].batch_invariant
+  x2 = x.reshape(-1, h)
+  t = x2.shape[0]
+  # transformers computes the router product in the activation dtype, then softmax in fp32.
+  logits = det_matmul(x2, router, implementation=implementation).astype(jnp.float32)
+  if stock:
+    weights, experts, probs = _stock_route(logits, k, normalize)
+  else:
+    weights, experts, probs = route(logits, k, normalize=normalize)
+  layout = group_layout(experts.reshape(-1), num_experts)
+  dest = layout.dest.reshape(t, k)
+  # Dispatch: k row copies per token into the layout (unique rows: exact both ways).
+  xp = jnp.zeros((layout.rows, h), x.dtype)
+  for j in range(k):
+    xp = xp.at[dest[:, j]].set(x2, unique_indices=True)
+  gu = grouped_matmul(xp, gate_up, layout, implementation=impl)
+  g, u = gu[:, 0::2], gu[:, 1::2]
+  act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+  yp = grouped_matmul(act, down, layout, implementation=impl)
+  # Combine in float32, ranks in order, each product kept out of the sum's FMA.
+  zero = opaque_zero(weights)
+  y = None
+  for j in range(k):
+    term = weights[:, j:j + 1] * yp[dest[:, j]].astype(jnp.float32)
+    term = term if stock else guard(term, zero)
+    y = term if y is None else y + term
+  return MoEOutput(y.astype(x.dtype).reshape(x.shape), logits, probs, experts)

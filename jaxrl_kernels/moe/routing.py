@@ -1,0 +1,139 @@
+"""Routing that cannot flip: each token's experts and weights from its own router row.
+
+Every step is row-local and written out in a fixed order, so a token's choice and
+weights are bitwise independent of the batch, of padding and of the token's place:
+
+* the router logits come from the invariant GEMM (``det_matmul``);
+* :func:`router_probs`: float32 softmax over the experts, ``exp`` from IEEE basic
+  operations (``softmax_partials.exp_arith``, guarded against FMA contraction: the
+  same bits in every program and on every device), the denominator a fixed pairwise
+  tree over the experts (zero-padded to a power of two);
+* :func:`route`: top-k by repeated first-maximum (ties go to the lowest expert
+  index), weights normalized over the k chosen (``normalize=True``: Mixtral,
+  Qwen3-MoE with ``norm_topk_prob``) with the k-sum in rank order.
+
+Gradients: the softmax's backward is hand-written with the same fixed tree; the
+rest is element-wise per row (one-hot selections, sums over k in rank order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum_last
+from jaxrl_kernels.pallas.softmax_partials import exp_arith
+from jaxrl_kernels.reduce import det_sum
+
+
+def _pow2_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis as a fixed tree (zero-padded to a power of two)."""
+  e = x.shape[-1]
+  width = 1 << max(e - 1, 0).bit_length()
+  if width != e:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - e)])
+  return tree_sum_last(x)
+
+
+@jax.custom_vjp
+def router_probs(logits: jax.Array) -> jax.Array:
+  """float32 ``softmax(logits, axis=-1)``, row-local and in a fixed order (module docstring).
+
+  Args:
+    logits: ``[..., E]`` float32 router logits.
+
+  Returns:
+    ``[..., E]`` float32 probabilities.
+  """
+  if logits.dtype != jnp.float32:
+    raise TypeError(f"router_probs: logits must be float32, got {logits.dtype}")
+  x = logits
+  zero = opaque_zero(x)
+  e = exp_arith(x - jnp.max(x, axis=-1, keepdims=True), sep=lambda v: guard(v, zero))
+  return e / _pow2_sum(e)[..., None]
+
+
+def _probs_fwd(logits):
+  p = router_probs(logits)
+  return p, p
+
+
+def _probs_bwd(p, g):
+  zero = opaque_zero(p)
+  gp = guard(g.astype(jnp.float32) * p, zero)
+  # d logits = p * (g - sum_j g_j p_j), the sum the same fixed tree as the forward's.
+  return (guard(p * (g - _pow2_sum(gp)[..., None]), zero),)
+
+
+router_probs.defvjp(_probs_fwd, _probs_bwd)
+
+
+def route(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Top-``k`` experts and their weights per token.
+
+  Args:
+    logits: ``[T, E]`` router logits.
+    k: experts per token (``1 <= k <= E``).
+    normalize: divide the chosen probabilities by their sum (``norm_topk_prob``).
+
+  Returns:
+    ``(weights [T, k] float32, experts [T, k] int32, probs [T, E] float32)``, ranks in
+    descending probability, equal probabilities in ascending expert index. A NaN row
+    stays NaN (its weights are NaN), never silently routed.
+  """
+  num_experts = logits.shape[-1]
+  if not 1 <= k <= num_experts:
+    raise ValueError(f"route: k must be in [1, {num_experts}] (the number of experts), got {k}")
+  probs = router_probs(logits.astype(jnp.float32))
+  iota = lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+  left = probs
+  experts, chosen = [], []
+  for _ in range(k):
+    idx = jnp.argmax(left, axis=-1).astype(jnp.int32)  # the first maximum: lowest index
+    hit = iota == idx[..., None]
+    # Exactly one nonzero term per row: the sum is the chosen probability, exactly.
+    chosen.append(_pow2_sum(jnp.where(hit, probs, 0.0)))
+    experts.append(idx)
+    left = jnp.where(hit, -jnp.inf, left)
+  if normalize:
+    total = chosen[0]
+    for c in chosen[1:]:
+      total = total + c
+    chosen = [c / total for c in chosen]
+  return jnp.stack(chosen, axis=-1), jnp.stack(experts, axis=-1), probs
+
+
+def load_balancing_loss(probs: jax.Array, experts: jax.Array, mask: jax.Array | None = None, *,
+                        implementation: str | None = None) -> jax.Array:
+  """The switch-transformer load-balancing loss, as ``transformers``' Mixtral/Qwen3-MoE.
+
+  ``E * sum_{j, e} f[j, e] * P[e]``: ``f[j, e]`` the fraction of (unmasked) tokens whose
+  rank-``j`` expert is ``e``, ``P[e]`` the mean router probability of expert ``e``.
+  Means over tokens are fixed-order sums (``det_sum``): deterministic run to run.
+
+  Args:
+    probs: ``[T, E]`` router probabilities (:func:`route`'s third result; several layers
+      concatenated along T, as ``transformers`` does).
+    experts: ``[T, k]`` chosen experts.
+    mask: ``[T]`` bool or 0/1, the tokens that count (None: all).
+  """
+  t, num_experts = probs.shape
+  onehot = (experts[..., None] == jnp.arange(num_experts)).astype(jnp.float32)  # [T, k, E]
+  w = jnp.ones((t,), jnp.float32) if mask is None else mask.astype(jnp.float32)
+  count = det_sum(w, implementation=implementation)
+  f = det_sum(onehot * w[:, None, None], axis=0, implementation=implementation) / count
+  p = det_sum(probs * w[:, None], axis=0, implementation=implementation) / count
+  return num_experts * det_sum(f * p[None, :], implementation=implementation)
+
+
+def router_z_loss(logits: jax.Array, mask: jax.Array | None = None, *,
+                  implementation: str | None = None) -> jax.Array:
+  """ST-MoE's router z-loss: the mean over (unmasked) tokens of ``logsumexp(logits)^2``."""
+  x = logits.astype(jnp.float32)
+  m = jnp.max(x, axis=-1)
+  zero = opaque_zero(x)
+  lse = m + jnp.log(_pow2_sum(exp_arith(x - m[..., None], sep=lambda v: guard(v, zero))))
+  w = jnp.ones(lse.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+  return det_sum(lse * lse * w, implementation=implementation) / det_sum(
+      w, implementation=implementation)
