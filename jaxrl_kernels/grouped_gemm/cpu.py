@@ -14,7 +14,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels._cpu import dot_f32, from_storage, opaque_zero, pad_rows, storage_dtype, to_storage
+from jaxrl_kernels._cpu import (
+  dot_f32,
+  from_storage,
+  opaque_zero,
+  pad_rows,
+  storage_dtype,
+  to_storage,
+)
 from jaxrl_kernels.contract import CPU_COL_BLOCK, GROUPED_GEMM_BLOCK_M
 from jaxrl_kernels.grouped_gemm.base import GroupedGemmBackend
 

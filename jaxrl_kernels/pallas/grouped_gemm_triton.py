@@ -139,7 +139,7 @@ def _dw_kernel(tile_start_ref, tile_count_ref, lhs_ref, rhs_ref, out_ref, *, k, 
 def weight_grad(lhs: jax.Array, rhs: jax.Array, tile_start: jax.Array, tile_count: jax.Array,
                 *, num_experts: int, out_dtype, interpret: bool,
                 config: Config | None = None) -> jax.Array:
-  """``dw[e] = lhs[tiles of e]^T @ rhs[tiles of e]``: ``[E, K, N]`` from ``lhs [P, K]``, ``rhs [P, N]``.
+  """``dw[e] = lhs[tiles of e]^T @ rhs[tiles of e]``: ``[E, K, N]`` from ``[P, K]``, ``[P, N]``.
 
   ``tile_start``/``tile_count`` (int32 ``[E]``): expert ``e``'s row tiles are
   ``tile_start[e] ... tile_start[e] + tile_count[e] - 1``, summed in that order.
