@@ -6,13 +6,16 @@ log-prob + entropy) and its vocab-parallel form ``vocab_parallel_linear_logp``,
 ``causal_attention`` (decode = prefill bitwise), masked global reductions,
 ``logprob_drift`` diagnostics, the ``rl`` objectives, the ``train`` driver,
 ``nn`` (Flax modules, the KV-cache sampler and the trainer-side ``score``),
-``models`` (Llama / Qwen2 / Qwen3 from Hugging Face folders), ``batch_invariant``
-(a transformation that makes any JAX function's reductions fixed-order) and the
+``models`` (Llama / Qwen2 / Qwen3 from Hugging Face folders), ``moe`` (mixture-of-experts
+layers: invariant routing, dropless dispatch on the ``grouped_gemm`` per-expert GEMM),
+``batch_invariant`` (a transformation that makes any JAX function's reductions fixed-order) and the
 fixed-order reductions ``det_sum`` / ``det_cumsum`` / ... it uses.
 """
 
 from jaxrl_kernels import attention as attention
+from jaxrl_kernels import grouped_gemm as grouped_gemm
 from jaxrl_kernels import models as models
+from jaxrl_kernels import moe as moe
 from jaxrl_kernels import nn as nn
 from jaxrl_kernels import rl as rl
 from jaxrl_kernels import train as train

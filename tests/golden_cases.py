@@ -21,6 +21,7 @@ from flax import nnx
 
 import jaxrl_kernels as jk
 from jaxrl_kernels import models
+from jaxrl_kernels.grouped_gemm import group_layout
 from jaxrl_kernels.nn.norm import rms_norm
 
 CPU_IMPLEMENTATIONS = ("cpu", "interpret")
@@ -162,6 +163,36 @@ def linear_policy_loss(impl, dtype):
   return {"loss": loss, "logp": m["logp"], "entropy": m["entropy"], "dh": dh, "dw": dw}
 
 
+def grouped_matmul(impl, dtype):
+  """150 assignments over 5 experts (one group across two row tiles, contract
+  GROUPED_GEMM_BLOCK_M), K and N no tile multiple: out, dlhs, dw."""
+  rng = np.random.default_rng(10)
+  ids = np.sort(rng.integers(0, 5, 150))
+  ids[:70] = 1
+  lay = group_layout(jnp.asarray(ids, jnp.int32), 5)
+  x = _wide(rng, (150, 96), dtype)
+  xp = jnp.zeros((lay.rows, 96), x.dtype).at[lay.dest].set(x)
+  w = _plain(rng, (5, 96, 200), dtype, 0.1)
+  out, (dx, dw) = _grads(jax.jit(lambda x, w: jk.grouped_gemm.grouped_matmul(
+      x, w, lay, implementation=impl)), xp, w)
+  return {"out": out, "dx": dx, "dw": dw}
+
+
+def moe_layer(impl, dtype):
+  """The MoE layer: routing, dispatch, grouped GEMMs, combine; output and gradients."""
+  rng = np.random.default_rng(11)
+  x = _wide(rng, (70, 64), dtype)
+  router = _plain(rng, (64, 8), dtype, 0.3)
+  gate_up, down = _plain(rng, (8, 64, 96), dtype, 0.1), _plain(rng, (8, 48, 64), dtype, 0.1)
+
+  def f(x, router, gate_up, down):
+    return jk.moe.moe_mlp(x, router, gate_up, down, k=2, normalize=True,
+                          implementation=impl).y
+
+  out, (dx, dr, dgu, dd) = _grads(jax.jit(f), x, router, gate_up, down)
+  return {"y": out, "dx": dx, "drouter": dr, "dgate_up": dgu, "ddown": dd}
+
+
 def cpu_tiles(impl, dtype):
   """Shapes across the CPU implementation's row, column and vocab blocks (contract.CPU_*):
   300 rows and columns (CPU_ROW_BLOCK, CPU_COL_BLOCK = 128), 1500 vocab columns
@@ -191,6 +222,8 @@ CASES = {
     "rl": (rl_objective, ("cpu",)),
     "linear_policy_loss": (linear_policy_loss, ("cpu", "interpret", "triton", "mosaic")),
     "cpu_tiles": (cpu_tiles, ("cpu", "interpret")),
+    "grouped_matmul": (grouped_matmul, ("cpu", "interpret", "triton")),
+    "moe_mlp": (moe_layer, ("cpu", "interpret", "triton")),
 }
 
 

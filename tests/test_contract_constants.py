@@ -54,6 +54,7 @@ TODAY = {
     "CPU_ATTENTION_BLOCK_Q": 32,
     "CPU_ATTENTION_KEY_TILE": 128,
     "REDUCE_LANES": 128,
+    "GROUPED_GEMM_BLOCK_M": 64,
 }
 
 # Which contract constants each kernel file takes (``from jaxrl_kernels.contract import X``,
@@ -73,6 +74,10 @@ USES = {
     "custom_calls/gemm_ffi.py": {"GEMM_TILE_K"},
     "pallas/mosaic_loop.py": {"GEMM_TILE_K"},
     "pallas/gemm_triton.py": {"GEMM_TRITON_BLOCK_K"},
+    "pallas/grouped_gemm_triton.py": {"GEMM_TRITON_BLOCK_K", "GROUPED_GEMM_BLOCK_M"},
+    "grouped_gemm/cpu.py": {"CPU_COL_BLOCK", "GROUPED_GEMM_BLOCK_M"},
+    "grouped_gemm/layout.py": {"GROUPED_GEMM_BLOCK_M"},
+    "grouped_gemm/xla.py": {"GROUPED_GEMM_BLOCK_M"},
     "pallas/linear_logp_fwd.py": {"VOCAB_TILE", "LOGITS_BLOCK_H_TRITON",
                                   "LOGITS_BLOCK_H_INTERPRET"},
     "pallas/linear_logp_mosaic.py": {"GEMM_TILE_K", "VOCAB_TILE", "EPI_ROWS"},
@@ -112,7 +117,8 @@ NOT_CONTRACT = {
 # Files searched for literals: every kernel and every CPU implementation.
 KERNEL_FILES = sorted({*USES, *NO_CONSTANT_OF_THEIR_OWN,
                        *(str(p.relative_to(_PACKAGE)) for p in (_PACKAGE / "pallas").glob("*.py")),
-                       "_cpu.py", "gemm/cpu.py", "linear_logp/cpu.py", "attention/cpu.py",
+                       "_cpu.py", "gemm/cpu.py", "grouped_gemm/cpu.py", "linear_logp/cpu.py",
+                       "attention/cpu.py",
                        "reduce/api.py", "reduce/fixed_order.py", "nn/norm.py",
                        "gemm/row_parallel.py", "attention/api.py"})
 

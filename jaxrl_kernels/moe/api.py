@@ -23,7 +23,7 @@ from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels.gemm import det_matmul
 from jaxrl_kernels.grouped_gemm import api as grouped_api
 from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul
-from jaxrl_kernels.moe.routing import route
+from jaxrl_kernels.moe.routing import fixed_sum, route
 
 
 class MoEOutput(NamedTuple):
@@ -48,6 +48,44 @@ def _stock_route(logits, k, normalize):
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return weights, experts.astype(jnp.int32), probs
+
+
+def _combine_terms(weights, yp, dest, guarded):
+  zero = opaque_zero(weights)
+  y = None
+  for j in range(dest.shape[1]):
+    term = weights[:, j:j + 1] * yp[dest[:, j]].astype(jnp.float32)
+    term = guard(term, zero) if guarded else term
+    y = term if y is None else y + term
+  return y
+
+
+@jax.custom_vjp
+def _combine(weights, yp, dest):
+  """``y[t] = sum_j weights[t, j] * yp[dest[t, j]]`` in float32, ranks in order, each
+  product kept out of the sum's FMA."""
+  return _combine_terms(weights, yp, dest, guarded=True)
+
+
+def _combine_fwd(weights, yp, dest):
+  return _combine(weights, yp, dest), (weights, yp, dest)
+
+
+def _combine_bwd(res, g):
+  weights, yp, dest = res
+  zero = opaque_zero(weights)
+  g = g.astype(jnp.float32)
+  # d weights[t, j] = <g[t], yp[dest[t, j]]>: a fixed tree over the features (autodiff
+  # would leave it to XLA's row reduction, whose order follows the batch).
+  dweights = jnp.stack([fixed_sum(guard(g * yp[dest[:, j]].astype(jnp.float32), zero))
+                        for j in range(dest.shape[1])], axis=-1)
+  dyp = jnp.zeros(yp.shape, jnp.float32)
+  for j in range(dest.shape[1]):
+    dyp = dyp.at[dest[:, j]].set(guard(weights[:, j:j + 1] * g, zero), unique_indices=True)
+  return dweights, dyp.astype(yp.dtype), None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *, k: int,
@@ -95,11 +133,5 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
   g, u = gu[:, 0::2], gu[:, 1::2]
   act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
   yp = grouped_matmul(act, down, layout, implementation=impl)
-  # Combine in float32, ranks in order, each product kept out of the sum's FMA.
-  zero = opaque_zero(weights)
-  y = None
-  for j in range(k):
-    term = weights[:, j:j + 1] * yp[dest[:, j]].astype(jnp.float32)
-    term = term if stock else guard(term, zero)
-    y = term if y is None else y + term
+  y = _combine_terms(weights, yp, dest, guarded=False) if stock else _combine(weights, yp, dest)
   return MoEOutput(y.astype(x.dtype).reshape(x.shape), logits, probs, experts)

@@ -27,7 +27,7 @@ from jaxrl_kernels.pallas.softmax_partials import exp_arith
 from jaxrl_kernels.reduce import det_sum
 
 
-def _pow2_sum(x: jax.Array) -> jax.Array:
+def fixed_sum(x: jax.Array) -> jax.Array:
   """Sum over the last axis as a fixed tree (zero-padded to a power of two)."""
   e = x.shape[-1]
   width = 1 << max(e - 1, 0).bit_length()
@@ -51,7 +51,7 @@ def router_probs(logits: jax.Array) -> jax.Array:
   x = logits
   zero = opaque_zero(x)
   e = exp_arith(x - jnp.max(x, axis=-1, keepdims=True), sep=lambda v: guard(v, zero))
-  return e / _pow2_sum(e)[..., None]
+  return e / fixed_sum(e)[..., None]
 
 
 def _probs_fwd(logits):
@@ -63,7 +63,7 @@ def _probs_bwd(p, g):
   zero = opaque_zero(p)
   gp = guard(g.astype(jnp.float32) * p, zero)
   # d logits = p * (g - sum_j g_j p_j), the sum the same fixed tree as the forward's.
-  return (guard(p * (g - _pow2_sum(gp)[..., None]), zero),)
+  return (guard(p * (g - fixed_sum(gp)[..., None]), zero),)
 
 
 router_probs.defvjp(_probs_fwd, _probs_bwd)
@@ -93,7 +93,7 @@ def route(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax
     idx = jnp.argmax(left, axis=-1).astype(jnp.int32)  # the first maximum: lowest index
     hit = iota == idx[..., None]
     # Exactly one nonzero term per row: the sum is the chosen probability, exactly.
-    chosen.append(_pow2_sum(jnp.where(hit, probs, 0.0)))
+    chosen.append(fixed_sum(jnp.where(hit, probs, 0.0)))
     experts.append(idx)
     left = jnp.where(hit, -jnp.inf, left)
   if normalize:
@@ -133,7 +133,7 @@ def router_z_loss(logits: jax.Array, mask: jax.Array | None = None, *,
   x = logits.astype(jnp.float32)
   m = jnp.max(x, axis=-1)
   zero = opaque_zero(x)
-  lse = m + jnp.log(_pow2_sum(exp_arith(x - m[..., None], sep=lambda v: guard(v, zero))))
+  lse = m + jnp.log(fixed_sum(exp_arith(x - m[..., None], sep=lambda v: guard(v, zero))))
   w = jnp.ones(lse.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
   return det_sum(lse * lse * w, implementation=implementation) / det_sum(
       w, implementation=implementation)

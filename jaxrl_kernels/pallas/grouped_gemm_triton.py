@@ -30,17 +30,22 @@ from jaxrl_kernels.pallas._common import cdiv, dot_precision, triton_compiler_pa
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Free tile choices (the row tile and K tile are the contract's, by dtype)."""
+  """Free tile choices (the row tile and K tile are the contract's, by dtype).
+
+  ``dw_block_k`` is the K rows of one ``dw`` output tile: each element of it sums the
+  expert's row tiles in ascending order whatever its size.
+  """
 
   block_n: int = 128
+  dw_block_k: int = 64
   num_warps: int = 4
   num_stages: int = 3
 
 
 def default_config(dtype) -> Config:
   if jnp.dtype(dtype).name == "float32":
-    return Config(block_n=64, num_warps=4, num_stages=3)
-  return Config(block_n=128, num_warps=4, num_stages=4)
+    return Config(block_n=64, dw_block_k=32, num_warps=4, num_stages=3)
+  return Config(block_n=128, dw_block_k=64, num_warps=4, num_stages=4)
 
 
 def _fwd_kernel(tile_expert_ref, lhs_ref, rhs_ref, out_ref, *, n, k, block_m, block_n,
@@ -144,13 +149,12 @@ def weight_grad(lhs: jax.Array, rhs: jax.Array, tile_start: jax.Array, tile_coun
   ``tile_start``/``tile_count`` (int32 ``[E]``): expert ``e``'s row tiles are
   ``tile_start[e] ... tile_start[e] + tile_count[e] - 1``, summed in that order.
   """
-  name = jnp.dtype(lhs.dtype).name
   block_m = GROUPED_GEMM_BLOCK_M
   if lhs.shape[0] % block_m:
     raise ValueError(f"grouped_matmul: {lhs.shape[0]} rows is not a multiple of {block_m}")
   k, n = lhs.shape[1], rhs.shape[1]
   cfg = config or default_config(lhs.dtype)
-  block_k = 64 if name != "float32" else 32
+  block_k = cfg.dw_block_k
   kernel = functools.partial(_dw_kernel, k=k, n=n, block_m=block_m, block_k=block_k,
                              block_n=cfg.block_n, precision=dot_precision(lhs.dtype, interpret))
   return pl.pallas_call(

@@ -1,0 +1,148 @@
+"""grouped_matmul and its layout: float64 accuracy, row invariance to routing, gradients.
+
+Every implementation that runs here ("cpu", "interpret"), float32 (rounding that
+bf16 would hide) and bfloat16. On the tile-aligned layout XLA's CPU ``ragged_dot`` happens
+to keep rows invariant too, so the stock control is the MoE layer's
+(tests/moe/test_moe.py) and, on a GPU, tests/grouped_gemm/test_grouped_gemm_gpu.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOL, assert_bitwise_equal, rel_err
+
+from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M
+from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul
+from jaxrl_kernels.grouped_gemm.layout import num_tiles
+from jaxrl_kernels.grouped_gemm.reference import (
+  grouped_matmul_grads_reference,
+  grouped_matmul_reference,
+)
+
+IMPLS = ("cpu", "interpret")
+DTYPES = ("float32", "bfloat16")
+BM = GROUPED_GEMM_BLOCK_M
+
+
+def _wide(rng, shape, dtype):
+  x = rng.standard_normal(shape).astype(np.float32)
+  x *= 2.0 ** rng.integers(-8, 9, size=shape[:-1] + (1,)).astype(np.float32)
+  return jnp.asarray(x, dtype)
+
+
+def _rows_product(x, w, ids, impl, transpose_w=False):
+  """``x[a] @ w[ids[a]]`` through the layout: scatter, grouped product, gather."""
+  num_experts = w.shape[0]
+  lay = group_layout(jnp.asarray(ids, jnp.int32), num_experts)
+  xp = jnp.zeros((lay.rows, x.shape[1]), x.dtype).at[lay.dest].set(x)
+  return grouped_matmul(xp, w, lay, transpose_w=transpose_w, implementation=impl)[lay.dest]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layout_places_each_expert_in_its_own_tiles(seed):
+  rng = np.random.default_rng(seed)
+  e = int(rng.integers(1, 9))
+  a = int(rng.integers(1, 300))
+  ids = rng.integers(0, e, a) if seed else np.zeros(a, np.int64)
+  lay = jax.tree.map(np.asarray, group_layout(jnp.asarray(ids), e))
+  assert lay.tile_expert.shape == (num_tiles(a, e),)
+  assert len(set(lay.dest.tolist())) == a, "two assignments share a row"
+  counts = np.bincount(ids, minlength=e)
+  np.testing.assert_array_equal(lay.tile_count, -(-counts // BM))
+  for ex in range(e):
+    rows = lay.dest[ids == ex]
+    # ascending assignment order, packed from the group's first tile
+    np.testing.assert_array_equal(rows, lay.tile_start[ex] * BM + np.arange(counts[ex]))
+    assert (lay.tile_expert[rows // BM] == ex).all()
+
+
+@pytest.mark.parametrize("impl", (*IMPLS, "xla"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_forward_and_gradients_match_float64(impl, dtype, transpose_w):
+  rng = np.random.default_rng(3)
+  a, k, n, e = 150, 96, 80, 5
+  x = _wide(rng, (a, k), dtype)
+  w = jnp.asarray(rng.standard_normal((e, n, k) if transpose_w else (e, k, n)) * 0.1, dtype)
+  ids = rng.integers(0, e, a)
+  ids[:7] = 2  # one big group, one expert (4) possibly empty
+  ids[ids == 4] = 3
+  g = jnp.asarray(rng.standard_normal((a, n)), jnp.float32)
+  w_kn = np.swapaxes(np.asarray(w, np.float32), 1, 2) if transpose_w else np.asarray(w, np.float32)
+  x32 = np.asarray(x, np.float32)
+
+  def f(x, w):
+    return _rows_product(x, w, ids, impl, transpose_w)
+
+  out, vjp = jax.vjp(f, x, w)
+  dx, dw = vjp(g.astype(out.dtype))
+  ref = grouped_matmul_reference(x32, w_kn, ids)
+  rdx, rdw = grouped_matmul_grads_reference(x32, w_kn, ids, np.asarray(g.astype(out.dtype),
+                                                                         np.float32))
+  if transpose_w:
+    rdw = np.swapaxes(rdw, 1, 2)
+  fwd_tol, grad_tol = TOL[dtype]
+  assert rel_err(out, ref) < fwd_tol
+  assert rel_err(dx, rdx) < grad_tol
+  assert rel_err(dw, rdw) < grad_tol
+  assert not np.asarray(dw[4], np.float32).any(), "an unrouted expert's gradient is not zero"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_does_not_depend_on_the_other_rows(impl, dtype):
+  """The same rows routed alone, then among many others (their groups grow, they move
+  to other tiles and offsets): outputs and input gradients bitwise equal."""
+  rng = np.random.default_rng(5)
+  k, n, e = 128, 96, 6
+  w = jnp.asarray(rng.standard_normal((e, k, n)) * 0.1, dtype)
+  probe = _wide(rng, (9, k), dtype)
+  probe_ids = np.array([0, 1, 2, 3, 4, 5, 2, 2, 0])
+  g = jnp.asarray(rng.standard_normal((9, n)), dtype)
+
+  def run(x, ids):
+    out, vjp = jax.vjp(lambda x: _rows_product(x, w, ids, impl), x)
+    return out, vjp(jnp.zeros(out.shape, out.dtype).at[-9:].set(g))[0]
+
+  alone, dalone = run(probe, probe_ids)
+  for others in (1, 70, 201):
+    x = jnp.concatenate([_wide(rng, (others, k), dtype), probe])
+    ids = np.concatenate([rng.integers(0, e, others), probe_ids])
+    out, dx = run(x, ids)
+    assert_bitwise_equal(out[-9:], alone, f"{others} other rows")
+    assert_bitwise_equal(dx[-9:], dalone, f"{others} other rows, dx")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_weight_gradient_is_deterministic_and_sums_tiles_in_order(impl):
+  """dw run to run bitwise; and equal to the per-expert sums of fixed-shape tile products
+  added in ascending tile order (float32, exact float32 reference order)."""
+  rng = np.random.default_rng(8)
+  a, k, n, e = 200, 64, 48, 3
+  x = _wide(rng, (a, k), "float32")
+  w = jnp.asarray(rng.standard_normal((e, k, n)) * 0.1, jnp.float32)
+  ids = np.sort(rng.integers(0, e, a))
+  g = jnp.asarray(rng.standard_normal((a, n)), jnp.float32)
+  grad = jax.jit(jax.grad(lambda w: jnp.sum(_rows_product(x, w, ids, impl) * g)))
+  d1, d2 = grad(w), grad(w)
+  assert_bitwise_equal(d1, d2, "dw run to run")
+  ref = grouped_matmul_grads_reference(x, w, ids, g)[1]
+  assert rel_err(d1, ref) < TOL["float32"][1]
+
+
+def test_arguments_are_checked():
+  lay = group_layout(jnp.zeros((3,), jnp.int32), 2)
+  x = jnp.zeros((lay.rows, 8), jnp.float32)
+  with pytest.raises(ValueError, match="K=8"):
+    grouped_matmul(x, jnp.zeros((2, 4, 5), jnp.float32), lay, implementation="cpu")
+  with pytest.raises(ValueError, match="layout has 2 experts but w has 3"):
+    grouped_matmul(x, jnp.zeros((3, 8, 5), jnp.float32), lay, implementation="cpu")
+  with pytest.raises(ValueError, match="rows"):
+    grouped_matmul(x[:-1], jnp.zeros((2, 8, 5), jnp.float32), lay, implementation="cpu")
+  with pytest.raises(TypeError, match="same dtype"):
+    grouped_matmul(x, jnp.zeros((2, 8, 5), jnp.bfloat16), lay, implementation="cpu")
+  with pytest.raises(ValueError, match="1-D integer"):
+    group_layout(jnp.zeros((3,), jnp.float32), 2)
