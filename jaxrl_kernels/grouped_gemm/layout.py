@@ -49,9 +49,13 @@ def num_tiles(assignments: int, num_experts: int) -> int:
   return cdiv(assignments, GROUPED_GEMM_BLOCK_M) + min(num_experts, assignments)
 
 
-def group_layout(expert_ids: jax.Array, num_experts: int) -> GroupLayout:
+def group_layout(expert_ids: jax.Array, num_experts: int,
+                 valid: jax.Array | None = None) -> GroupLayout:
   """The layout of ``expert_ids`` (int ``[A]``, each in ``[0, num_experts)``).
 
+  ``valid`` (bool ``[A]``, optional): assignments that take no row (their ``dest`` is
+  ``rows``, out of bounds: a scatter with ``mode="drop"`` skips them, a gather with
+  ``mode="fill"`` reads zeros), e.g. the empty slots of an expert-parallel exchange.
   Integer arithmetic only (a stable sort, counts, exclusive sums): exact and
   deterministic on every device.
   """
@@ -61,16 +65,20 @@ def group_layout(expert_ids: jax.Array, num_experts: int) -> GroupLayout:
   a = expert_ids.shape[0]
   bm = GROUPED_GEMM_BLOCK_M
   ids = expert_ids.astype(jnp.int32)
-  counts = jnp.zeros((num_experts,), jnp.int32).at[ids].add(1)
+  if valid is not None:
+    ids = jnp.where(valid, ids, num_experts)  # sorted after every expert, counted nowhere
+  counts = jnp.zeros((num_experts,), jnp.int32).at[ids].add(1, mode="drop")
   tile_count = (counts + bm - 1) // bm
   tile_end = jnp.cumsum(tile_count)
   tile_start = tile_end - tile_count
   order = jnp.argsort(ids, stable=True)
   sorted_ids = ids[order]
   group_begin = jnp.cumsum(counts) - counts
-  rank = jnp.arange(a, dtype=jnp.int32) - group_begin[sorted_ids]
-  dest = jnp.zeros((a,), jnp.int32).at[order].set(tile_start[sorted_ids] * bm + rank,
-                                                  unique_indices=True)
-  tiles = jnp.arange(num_tiles(a, num_experts), dtype=jnp.int32)
+  clamped = jnp.minimum(sorted_ids, num_experts - 1)
+  rank = jnp.arange(a, dtype=jnp.int32) - group_begin[clamped]
+  n_tiles = num_tiles(a, num_experts)
+  row = jnp.where(sorted_ids < num_experts, tile_start[clamped] * bm + rank, n_tiles * bm)
+  dest = jnp.zeros((a,), jnp.int32).at[order].set(row, unique_indices=True)
+  tiles = jnp.arange(n_tiles, dtype=jnp.int32)
   tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tiles, side="right"), num_experts - 1)
   return GroupLayout(dest, tile_expert.astype(jnp.int32), tile_start, tile_count)

@@ -13,6 +13,7 @@ for every implementation but ``"xla"`` (the stock path: XLA's router product,
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -89,7 +90,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *, k: int,
-            normalize: bool, implementation: str | None = None) -> MoEOutput:
+            normalize: bool, implementation: str | None = None,
+            expert_axis: str | None = None) -> MoEOutput:
   """A mixture-of-experts SwiGLU layer (module docstring).
 
   Args:
@@ -102,17 +104,23 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     normalize: renormalize the top-k probabilities (``norm_topk_prob``; Mixtral: True).
     implementation: of the router GEMM and the grouped GEMM (``det_matmul`` and
       ``grouped_matmul`` names; ``"xla"`` is the stock path throughout).
+    expert_axis: expert parallelism inside ``shard_map``: the mesh axis the experts are
+      split over (``gate_up``/``down`` hold this device's ``E / ep`` experts, in order;
+      ``router`` is whole; ``x`` is this device's tokens). Outputs are bitwise those of
+      one device (docs/moe.md).
 
   Returns:
     :class:`MoEOutput`; ``y`` in ``x``'s dtype.
   """
   h = x.shape[-1]
   num_experts = router.shape[-1]
-  if router.shape != (h, num_experts) or gate_up.shape[:2] != (num_experts, h) or (
-      down.shape != (num_experts, gate_up.shape[2] // 2, h)) or gate_up.shape[2] % 2:
-    raise ValueError(f"moe_mlp: expected router [H, E], gate_up [E, H, 2I], down [E, I, H] "
-                     f"with H={h} (x {x.shape}); got router {router.shape}, gate_up "
-                     f"{gate_up.shape}, down {down.shape}")
+  ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
+  local = gate_up.shape[0]
+  if router.shape != (h, num_experts) or gate_up.shape[1] != h or local * ep != num_experts or (
+      down.shape != (local, gate_up.shape[2] // 2, h)) or gate_up.shape[2] % 2:
+    raise ValueError(f"moe_mlp: expected router [H, E], gate_up [E / ep, H, 2I], down "
+                     f"[E / ep, I, H] with H={h} (x {x.shape}), ep={ep}; got router "
+                     f"{router.shape}, gate_up {gate_up.shape}, down {down.shape}")
   impl = grouped_api.resolve_implementation(implementation, x.dtype)
   stock = not grouped_api.BACKENDS[impl].batch_invariant
   x2 = x.reshape(-1, h)
@@ -123,15 +131,80 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     weights, experts, probs = _stock_route(logits, k, normalize)
   else:
     weights, experts, probs = route(logits, k, normalize=normalize)
-  layout = group_layout(experts.reshape(-1), num_experts)
-  dest = layout.dest.reshape(t, k)
-  # Dispatch: k row copies per token into the layout (unique rows: exact both ways).
-  xp = jnp.zeros((layout.rows, h), x.dtype)
-  for j in range(k):
-    xp = xp.at[dest[:, j]].set(x2, unique_indices=True)
-  gu = grouped_matmul(xp, gate_up, layout, implementation=impl)
-  g, u = gu[:, 0::2], gu[:, 1::2]
-  act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
-  yp = grouped_matmul(act, down, layout, implementation=impl)
+  if expert_axis is None:
+    layout = group_layout(experts.reshape(-1), num_experts)
+    dest = layout.dest.reshape(t, k)
+    yp = _experts(_dispatch(x2, dest, layout.rows), gate_up, down, layout, impl)
+  else:
+    dest, yp = _exchange(x2, experts, gate_up, down, expert_axis, ep, impl)
   y = _combine_terms(weights, yp, dest, guarded=False) if stock else _combine(weights, yp, dest)
   return MoEOutput(y.astype(x.dtype).reshape(x.shape), logits, probs, experts)
+
+
+def _experts(xp, gate_up, down, layout, impl):
+  """The expert SwiGLU on the layout's rows: two grouped GEMMs (``silu(g) * u`` in float32,
+  one rounding, as the dense MLP)."""
+  gu = grouped_matmul(xp, gate_up, layout, implementation=impl)
+  g, u = gu[:, 0::2], gu[:, 1::2]
+  act = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(xp.dtype)
+  return grouped_matmul(act, down, layout, implementation=impl)
+
+
+def _exchange(x2, experts, gate_up, down, axis, ep, impl):
+  """Expert parallelism: assignments travel to their expert's device and back.
+
+  Device ``d`` holds experts ``d * E_l ... (d + 1) * E_l - 1``. Each assignment takes the
+  next slot of its owner's block of a ``[ep, A]`` send buffer (``A`` = this device's
+  assignments: dropless, whatever the routing); one ``all_to_all`` delivers the rows,
+  the owner runs its experts on them (the grouped GEMM's rows do not depend on the rows
+  around them), a second ``all_to_all`` brings the outputs back to the same slots.
+  Returns ``(dest [T, k], yp [ep * A, H])`` for the combine: the same bits as one device.
+  """
+  t, k = experts.shape
+  a = t * k
+  local = gate_up.shape[0]
+  flat = experts.reshape(-1)
+  owner = flat // local
+  order = jnp.argsort(owner, stable=True)
+  counts = jnp.zeros((ep,), jnp.int32).at[owner].add(1)
+  begin = jnp.cumsum(counts) - counts
+  slot_sorted = jnp.arange(a, dtype=jnp.int32) - begin[owner[order]]
+  slot = jnp.zeros((a,), jnp.int32).at[order].set(slot_sorted, unique_indices=True)
+  send_pos = owner * a + slot
+  send_x = _dispatch(x2, send_pos.reshape(t, k), ep * a).reshape(ep, a, -1)
+  send_e = jnp.full((ep * a,), -1, jnp.int32).at[send_pos].set(flat % local).reshape(ep, a)
+  recv_x = lax.all_to_all(send_x, axis, 0, 0).reshape(ep * a, -1)
+  recv_e = lax.all_to_all(send_e, axis, 0, 0).reshape(ep * a)
+  valid = recv_e >= 0
+  layout = group_layout(jnp.where(valid, recv_e, 0), local, valid=valid)
+  xp = jnp.zeros((layout.rows, x2.shape[1]), x2.dtype).at[layout.dest].set(
+      recv_x, mode="drop", unique_indices=True)
+  yp = _experts(xp, gate_up, down, layout, impl)
+  back = yp.at[layout.dest].get(mode="fill", fill_value=0).reshape(ep, a, -1)
+  back = lax.all_to_all(back, axis, 0, 0).reshape(ep * a, -1)
+  return send_pos.reshape(t, k), back
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dispatch(x2, dest, rows):
+  """``k`` copies of each token row into a ``[rows, H]`` buffer at ``dest [T, k]`` (unique
+  rows; the others zero). Its backward adds a token's ``k`` row gradients in rank order in
+  float32 (autodiff would leave the order to its accumulation)."""
+  buf = jnp.zeros((rows, x2.shape[1]), x2.dtype)
+  for j in range(dest.shape[1]):
+    buf = buf.at[dest[:, j]].set(x2, unique_indices=True)
+  return buf
+
+
+def _dispatch_fwd(x2, dest, rows):
+  return _dispatch(x2, dest, rows), dest
+
+
+def _dispatch_bwd(rows, dest, g):
+  dx = g[dest[:, 0]].astype(jnp.float32)
+  for j in range(1, dest.shape[1]):
+    dx = dx + g[dest[:, j]].astype(jnp.float32)
+  return dx.astype(g.dtype), None  # the buffer's dtype is x's
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
