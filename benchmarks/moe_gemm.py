@@ -90,8 +90,12 @@ def main(argv=None) -> int:
     for name, x, w, g, ids in _cases(m, jax.random.key(m)):
       a, kd, nd = x.shape[0], x.shape[1], w.shape[2]
       f_ours, f_stock = jax.jit(ours), jax.jit(_stock)
-      y1, y2 = f_ours(x, w, ids), f_stock(x, w, ids)
-      err = float(jnp.max(jnp.abs(y1.astype(jnp.float32) - y2.astype(jnp.float32))))
+      y1 = f_ours(x, w, ids)
+      try:
+        y2 = f_stock(x, w, ids)
+        err = float(jnp.max(jnp.abs(y1.astype(jnp.float32) - y2.astype(jnp.float32))))
+      except jax.errors.JaxRuntimeError:
+        err = float("nan")
       # A row computed alone against the same row in the batch (the contract).
       r = a // 3
       solo = f_ours(x[r:r + 1], w, ids[r:r + 1])
@@ -101,10 +105,14 @@ def main(argv=None) -> int:
                                    ("fwd+bwd", jax.jit(_train(ours)), jax.jit(_train(_stock)),
                                     (g,))):
         t_o = pipelined_ms(fo, [(x, w, ids, *extra)], args.calls)
-        t_s = pipelined_ms(fs, [(x, w, ids, *extra)], args.calls)
+        try:
+          t_s = pipelined_ms(fs, [(x, w, ids, *extra)], args.calls)
+          stock, ratio = f"{t_s:.3f}", f"{t_s / t_o:.2f}x"
+        except jax.errors.JaxRuntimeError as e:  # ragged_dot's autotuner runs out of memory
+          stock, ratio = f"fails ({str(e).split(':')[0]})", "-"
         fl = _floor_ms(a, kd, nd, label != "fwd")
         lines.append(f"| {m} | {name} [{a}, {kd}] x [{E}, {kd}, {nd}] | {label} | {t_o:.3f} | "
-                     f"{t_s:.3f} | {t_s / t_o:.2f}x | {fl:.3f} | {t_o / fl:.2f} | "
+                     f"{stock} | {ratio} | {fl:.3f} | {t_o / fl:.2f} | "
                      f"{same if label == 'fwd' else ''} |")
         print(lines[-1], f"(max |ours - stock| {err:.3g})", flush=True)
   text = "\n".join(lines) + "\n"

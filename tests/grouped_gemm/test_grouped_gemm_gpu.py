@@ -76,21 +76,21 @@ def test_weight_gradient_is_deterministic_run_to_run():
 
 def test_moe_layer_is_batch_invariant_and_the_stock_layer_is_not():
   """Qwen3-30B-A3B widths (128 experts, top-8, hidden 2048, FFN 768), bf16: a token's
-  output alone equals its output among 4095 others bitwise; the stock path's count of
+  output alone equals its output among 1023 others bitwise; the stock path's count of
   differing tokens is reported and must be nonzero (the control)."""
   rng = np.random.default_rng(3)
   h, e, i = 2048, 128, 768
   router = jnp.asarray(rng.standard_normal((h, e)) * 0.02, jnp.bfloat16)
   gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) * 0.02, jnp.bfloat16)
   down = jnp.asarray(rng.standard_normal((e, i, h)) * 0.02, jnp.bfloat16)
-  x = jnp.asarray(rng.standard_normal((4096, h)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((1024, h)), jnp.bfloat16)
   counts = {}
   for impl in ("triton", "xla"):
     f = jax.jit(lambda x, impl=impl: moe_mlp(x, router, gate_up, down, k=8, normalize=True,
                                              implementation=impl).y)
     full = bits(f(x))
     counts[impl] = sum(not np.array_equal(bits(f(x[r:r + 1])), full[r:r + 1])
-                       for r in range(0, 4096, 64))
-  print("tokens of 64 differing alone vs in the batch:", counts)
+                       for r in range(0, 1024, 64))
+  print("tokens of 16 differing alone vs in the batch:", counts)
   assert counts["triton"] == 0
   assert counts["xla"] > 0, "the stock MoE layer was invariant here: the control shows nothing"

@@ -69,7 +69,7 @@ def test_expert_axis_must_split_the_experts_evenly():
   x, router, gate_up, down, _ = _inputs("float32")
   mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
   f = shard_map(lambda x, r, gu, d: moe_mlp(x, r, gu, d, k=K, normalize=True,
-                                            implementation="cpu", expert_axis="expert").y,
+                                            expert_axis="expert").y,
                 mesh=mesh, in_specs=(P("expert"), P(), P(), P()), out_specs=P("expert"),
                 check_vma=False)
   with pytest.raises(ValueError, match="ep=2"):
