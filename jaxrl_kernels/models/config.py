@@ -1,5 +1,6 @@
-"""``DecoderConfig``: the architecture of a Llama / Qwen2 / Qwen3 decoder, read from and
-written to a Hugging Face ``config.json``, and the presets at the true public shapes.
+"""``DecoderConfig``: the architecture of a Llama / Qwen2 / Qwen3 decoder, or of a
+Qwen3-MoE / Mixtral mixture-of-experts decoder, read from and written to a Hugging Face
+``config.json``, and the presets at the true public shapes.
 
 Only what changes the forward is kept; every other key of ``config.json`` is
 carried through unchanged in ``extra`` so that :func:`save_pretrained` writes it
@@ -16,10 +17,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+#: The mixture-of-experts model types (their MLPs are ``moe.moe_mlp`` layers).
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 ROPE_TYPES = ("default", "llama3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 
 #: The dtype strings :func:`parse_dtype` accepts, and the dtype each one means.
@@ -73,8 +77,9 @@ class DecoderConfig:
   """Shapes and numerics of a pre-norm GQA decoder with SwiGLU MLP and rotary positions.
 
   Attributes:
-    model_type: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
-    vocab_size, hidden_size, intermediate_size, num_hidden_layers: sizes.
+    model_type: ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"qwen3_moe"`` or ``"mixtral"``.
+    vocab_size, hidden_size, intermediate_size, num_hidden_layers: sizes
+      (``intermediate_size``: the dense MLPs'; Mixtral's experts').
     num_attention_heads, num_key_value_heads, head_dim: GQA heads (``head_dim`` may
       differ from ``hidden_size / num_attention_heads``, as in Qwen3).
     rms_norm_eps: RMSNorm epsilon.
@@ -87,6 +92,15 @@ class DecoderConfig:
     tie_word_embeddings: the LM head reads the ``[V, H]`` embedding.
     max_position_embeddings: carried for ``config.json`` (no effect on the forward).
     extra: the other keys of ``config.json`` (token ids, dtype, ...), as sorted pairs.
+    num_experts: experts per MoE layer (0: a dense model; ``qwen3_moe`` / ``mixtral``
+      need >= 1).
+    num_experts_per_tok: the top-k experts each token is routed to (``1 <= k <=
+      num_experts``).
+    moe_intermediate_size: an expert's FFN width (Mixtral: ``intermediate_size``).
+    norm_topk_prob: renormalize the top-k router probabilities (Mixtral: always).
+    decoder_sparse_step, mlp_only_layers: which layers are MoE (:meth:`is_moe_layer`).
+    router_aux_loss_coef: the load-balancing loss weight ``transformers`` adds to its
+      loss (carried; ``DecoderLM.router_aux_loss`` returns the unweighted loss).
   """
 
   model_type: str
@@ -106,6 +120,13 @@ class DecoderConfig:
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 32768
   extra: tuple = ()
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple = ()
+  router_aux_loss_coef: float = 0.0
 
   def __post_init__(self):
     if self.model_type not in MODEL_TYPES:
@@ -141,6 +162,62 @@ class DecoderConfig:
                          f"low_freq_factor, high_freq_factor finite > 0 with high_freq_factor > "
                          f"low_freq_factor, and original_max_position_embeddings an int >= 1; "
                          f"got {rs!r}")
+    self._check_moe()
+
+  def _check_moe(self):
+    """The mixture-of-experts fields (errors name the field)."""
+    moe = self.model_type in MOE_MODEL_TYPES
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+      value = getattr(self, name)
+      low = 1 if moe else 0
+      if (not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low
+          or value >= 2**31):
+        raise ValueError(f"DecoderConfig: {name} must be an int in [{low}, 2**31) for "
+                         f"model_type {self.model_type!r}, got {value!r}")
+    if not moe:
+      if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
+        raise ValueError(f"DecoderConfig: num_experts, num_experts_per_tok and "
+                         f"moe_intermediate_size must be 0 for the dense model_type "
+                         f"{self.model_type!r}, got {self.num_experts}, "
+                         f"{self.num_experts_per_tok}, {self.moe_intermediate_size}")
+    elif self.num_experts_per_tok > self.num_experts:
+      raise ValueError(f"DecoderConfig: num_experts_per_tok must be in [1, num_experts="
+                       f"{self.num_experts}], got {self.num_experts_per_tok}")
+    if not isinstance(self.norm_topk_prob, bool | np.bool_):
+      raise ValueError(f"DecoderConfig: norm_topk_prob must be a bool, got "
+                       f"{self.norm_topk_prob!r}")
+    step = self.decoder_sparse_step
+    if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 1:
+      raise ValueError(f"DecoderConfig: decoder_sparse_step must be an int >= 1, got {step!r}")
+    layers = self.mlp_only_layers
+    if not isinstance(layers, tuple) or any(
+        not isinstance(i, int | np.integer) or isinstance(i, bool)
+        or not 0 <= i < self.num_hidden_layers for i in layers):
+      raise ValueError(f"DecoderConfig: mlp_only_layers must be a tuple of layer indices in "
+                       f"[0, num_hidden_layers={self.num_hidden_layers}), got {layers!r}")
+    coef = self.router_aux_loss_coef
+    if not _is_real(coef) or not math.isfinite(coef) or coef < 0:
+      raise ValueError(f"DecoderConfig: router_aux_loss_coef must be a finite number >= 0, got "
+                       f"{coef!r}")
+    if self.model_type == "mixtral":
+      if not self.norm_topk_prob or step != 1 or layers:
+        raise ValueError(f"DecoderConfig: mixtral routes every layer with normalized top-k "
+                         f"weights: norm_topk_prob must be True, decoder_sparse_step 1 and "
+                         f"mlp_only_layers (), got {self.norm_topk_prob}, {step}, {layers}")
+      if self.moe_intermediate_size != self.intermediate_size:
+        raise ValueError(f"DecoderConfig: mixtral's experts are intermediate_size wide: "
+                         f"moe_intermediate_size must equal intermediate_size="
+                         f"{self.intermediate_size}, got {self.moe_intermediate_size}")
+    if moe and (self.attention_bias or self.mlp_bias):
+      raise ValueError(f"DecoderConfig: {self.model_type} has no attention_bias or mlp_bias, "
+                       f"got {self.attention_bias}, {self.mlp_bias}")
+
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether layer ``i`` is a mixture-of-experts layer (``transformers``' Qwen3-MoE
+    rule: not in ``mlp_only_layers``, ``num_experts > 0`` and ``(i + 1) %
+    decoder_sparse_step == 0``; every layer of Mixtral)."""
+    return (i not in self.mlp_only_layers and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0)
 
   @property
   def q_dim(self) -> int:
@@ -178,7 +255,12 @@ class DecoderConfig:
       per_layer += self.q_dim + 2 * self.kv_dim + (h if self.model_type == "llama" else 0)
     if self.mlp_bias:
       per_layer += 2 * i + h
-    return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+    total = v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+    # A MoE layer holds a router [H, E] and E experts of width moe_intermediate_size instead
+    # of the dense MLP.
+    moe_mlp = h * self.num_experts + self.num_experts * 3 * h * self.moe_intermediate_size
+    moe_layers = sum(self.is_moe_layer(j) for j in range(self.num_hidden_layers))
+    return total + moe_layers * (moe_mlp - 3 * h * i)
 
   def to_hf_dict(self) -> dict[str, Any]:
     """The ``config.json`` dictionary (``transformers`` reads it back to the same model)."""
@@ -206,8 +288,21 @@ class DecoderConfig:
       out.update(attention_bias=bool(self.attention_bias), mlp_bias=bool(self.mlp_bias))
     elif self.model_type == "qwen2":
       out.update(use_sliding_window=False)
-    else:
+    elif self.model_type in ("qwen3", "qwen3_moe"):
       out.update(attention_bias=False, use_sliding_window=False)
+    if self.model_type == "qwen3_moe":
+      out.update(num_experts=int(self.num_experts),
+                 num_experts_per_tok=int(self.num_experts_per_tok),
+                 moe_intermediate_size=int(self.moe_intermediate_size),
+                 norm_topk_prob=bool(self.norm_topk_prob),
+                 decoder_sparse_step=int(self.decoder_sparse_step),
+                 mlp_only_layers=[int(i) for i in self.mlp_only_layers],
+                 router_aux_loss_coef=float(self.router_aux_loss_coef))
+    elif self.model_type == "mixtral":
+      out.update(num_local_experts=int(self.num_experts),
+                 num_experts_per_tok=int(self.num_experts_per_tok),
+                 router_aux_loss_coef=float(self.router_aux_loss_coef),
+                 sliding_window=None, router_jitter_noise=0.0)
     return out
 
 
@@ -226,14 +321,22 @@ def _positive_float32(x) -> bool:
 
 
 #: ``transformers``' defaults for keys a ``config.json`` may leave out (LlamaConfig,
-#: Qwen2Config, Qwen3Config). ``None`` for ``head_dim`` / ``num_key_value_heads``:
-#: ``hidden_size // num_attention_heads`` / ``num_attention_heads``. Qwen2/Qwen3 fill
+#: Qwen2Config, Qwen3Config, Qwen3MoeConfig, MixtralConfig). ``None`` for ``head_dim`` /
+#: ``num_key_value_heads``: ``hidden_size // num_attention_heads`` / ``num_attention_heads``
+#: (Qwen3-MoE's and Mixtral's attention read ``head_dim`` with that fallback). Qwen2/Qwen3 fill
 #: ``num_key_value_heads`` from ``num_attention_heads`` only when the key is null; absent, it
-#: is the class default 32.
+#: is the class default. ``rope_theta`` / ``rms_norm_eps`` where they differ from 10000 /
+#: 1e-6; the MoE keys' defaults for the MoE types.
 _DEFAULTS = {
     "llama": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048),
     "qwen2": dict(head_dim=None, num_key_value_heads=32, max_position_embeddings=32768),
     "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3_moe": dict(head_dim=None, num_key_value_heads=4, max_position_embeddings=32768,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                      norm_topk_prob=False, decoder_sparse_step=1, router_aux_loss_coef=0.001),
+    "mixtral": dict(head_dim=None, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rope_theta=1e6, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.001),
 }
 
 
@@ -293,8 +396,17 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
   ``full_attention``); ``rope_scaling`` / ``rope_parameters`` of a type other
   than ``default`` or ``llama3`` (or ``llama3`` on a non-Llama model);
   ``attention_dropout`` > 0; ``mlp_bias`` on Qwen; ``attention_bias`` on Qwen3;
-  partial rotary (``partial_rotary_factor`` != 1); and what :class:`DecoderConfig`
-  refuses (``rope_theta <= 0`` or not finite, sizes < 1, ...).
+  partial rotary (``partial_rotary_factor`` != 1); ``attention_bias`` on Qwen3-MoE and
+  Mixtral; Mixtral's ``sliding_window`` other than null and ``router_jitter_noise`` other
+  than 0; and what :class:`DecoderConfig` refuses (``rope_theta <= 0`` or not finite, sizes
+  < 1, ``num_experts_per_tok > num_experts``, ...).
+
+  Mixture-of-experts keys: Qwen3-MoE ``num_experts``, ``num_experts_per_tok``,
+  ``moe_intermediate_size`` (the experts; ``intermediate_size`` is the dense layers'),
+  ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``,
+  ``router_aux_loss_coef``; Mixtral ``num_local_experts``, ``num_experts_per_tok``,
+  ``router_aux_loss_coef`` (its experts are ``intermediate_size`` wide, their top-k
+  weights always renormalized).
   """
   if not isinstance(d, dict):
     raise ValueError(f"{source}: must hold a JSON object, got a {type(d).__name__}")
@@ -302,6 +414,7 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
   model_type = d.get("model_type")
   if model_type not in MODEL_TYPES:
     raise ValueError(f"{source}: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+  defaults = _DEFAULTS[model_type]
   act = d.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"{source}: hidden_act must be 'silu', got {act!r}")
@@ -332,7 +445,7 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
   if "rope_theta" in rope:
     theta = r.float("rope_theta", None, d=rope, null_default=False)
   else:
-    theta = r.float("rope_theta", 10000.0, null_default=False)
+    theta = r.float("rope_theta", defaults.get("rope_theta", 10000.0), null_default=False)
   if theta is None or not _positive_float32(theta):
     raise r.fail("rope_theta", "a finite number > 0 (in float32)", theta)
   scaling = None
@@ -349,9 +462,9 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
     attention_bias = True  # Qwen2 always has q/k/v biases (no config key)
   if model_type != "llama" and mlp_bias:
     raise ValueError(f"{source}: mlp_bias=true is not supported for {model_type!r}")
-  if model_type == "qwen3" and attention_bias:
-    raise ValueError(f"{source}: attention_bias=true is not supported for 'qwen3'")
-  defaults = _DEFAULTS[model_type]
+  if model_type in ("qwen3", *MOE_MODEL_TYPES) and attention_bias:
+    raise ValueError(f"{source}: attention_bias=true is not supported for {model_type!r}")
+  moe = _read_moe(r, model_type, defaults) if model_type in MOE_MODEL_TYPES else {}
   heads = r.int("num_attention_heads", required=True)
   hidden = r.int("hidden_size", required=True)
   kv_default = defaults["num_key_value_heads"]
@@ -366,6 +479,8 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
            "architectures", "use_sliding_window",
            # the storage dtype: save_pretrained writes the model's own
            "torch_dtype", "dtype"}
+  if model_type in MOE_MODEL_TYPES:
+    known |= _MOE_KEYS[model_type]
   extra = tuple(sorted((k, v) for k, v in d.items() if k not in known))
   try:
     return DecoderConfig(
@@ -377,16 +492,60 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
         num_attention_heads=heads,
         num_key_value_heads=heads if kv_heads is None else kv_heads,
         head_dim=hidden // heads if head_dim is None and heads > 0 else head_dim or 0,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        rms_norm_eps=r.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, rope_scaling=scaling, attention_bias=attention_bias,
-        mlp_bias=mlp_bias, qk_norm=model_type == "qwen3",
+        mlp_bias=mlp_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"),
         # transformers' default for all three architectures when the key is absent.
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
         max_position_embeddings=r.int("max_position_embeddings",
                                       defaults["max_position_embeddings"]),
-        extra=_freeze(extra))
+        extra=_freeze(extra), **moe)
   except ValueError as e:
     raise ValueError(f"{source}: {e}") from None
+
+
+#: The config keys each MoE type reads (the rest are carried in ``extra``;
+#: ``output_router_logits`` among them).
+_MOE_KEYS = {
+    "qwen3_moe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                  "router_aux_loss_coef"},
+    "mixtral": {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                "router_jitter_noise", "sliding_window"},
+}
+
+
+def _read_moe(r: _Reader, model_type: str, defaults: dict) -> dict[str, Any]:
+  """The :class:`DecoderConfig` MoE fields of a ``qwen3_moe`` / ``mixtral`` config."""
+  d, source = r.d, r.source
+  coef = r.float("router_aux_loss_coef", defaults["router_aux_loss_coef"])
+  k = r.int("num_experts_per_tok", defaults["num_experts_per_tok"])
+  if model_type == "mixtral":
+    # Mixtral's attention honours sliding_window (a banded mask); this model attends causally.
+    if d.get("sliding_window") is not None:
+      raise ValueError(f"{source}: sliding_window must be null or absent for 'mixtral' "
+                       f"(sliding-window attention is not supported), got "
+                       f"{d['sliding_window']!r}")
+    if r.float("router_jitter_noise", 0.0) != 0.0:
+      raise ValueError(f"{source}: router_jitter_noise must be 0 (router noise is not "
+                       f"supported), got {d['router_jitter_noise']!r}")
+    experts = r.int("num_local_experts", defaults["num_experts"])
+    # The experts are intermediate_size wide; top-k weights always renormalized.
+    width = r.int("intermediate_size", required=True)
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=width,
+                norm_topk_prob=True, router_aux_loss_coef=coef)
+  layers = d.get("mlp_only_layers")
+  if layers is None:
+    layers = []
+  if not isinstance(layers, list) or any(not isinstance(i, int) or isinstance(i, bool)
+                                         for i in layers):
+    raise r.fail("mlp_only_layers", "a list of layer indices or null", layers)
+  return dict(num_experts=r.int("num_experts", defaults["num_experts"]), num_experts_per_tok=k,
+              moe_intermediate_size=r.int("moe_intermediate_size",
+                                          defaults["moe_intermediate_size"]),
+              norm_topk_prob=r.bool("norm_topk_prob", defaults["norm_topk_prob"]),
+              decoder_sparse_step=r.int("decoder_sparse_step", defaults["decoder_sparse_step"]),
+              mlp_only_layers=tuple(sorted(set(layers))), router_aux_loss_coef=coef)
 
 
 def _freeze(x):
@@ -444,6 +603,21 @@ PRESETS: dict[str, DecoderConfig] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=False,
         max_position_embeddings=40960,
         extra=(("bos_token_id", 151643), ("eos_token_id", 151645))),
+    "qwen3-30b-a3b": DecoderConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=False,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+        router_aux_loss_coef=0.001,
+        extra=(("bos_token_id", 151643), ("eos_token_id", 151645))),
+    "mixtral-8x7b": DecoderConfig(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+        max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, norm_topk_prob=True, router_aux_loss_coef=0.02,
+        extra=(("bos_token_id", 1), ("eos_token_id", 2))),
 }
 
 

@@ -1,11 +1,16 @@
-"""``DecoderLM``: the Llama / Qwen2 / Qwen3 decoder on the batch-invariant ops.
+"""``DecoderLM``: the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder on the
+batch-invariant ops.
 
 ``tokens -> embed -> L x [x + o(attn(rope(q), rope(k), v)) on RMSNorm(x);
 x + down(silu(gate(h)) * up(h)) on h = RMSNorm(x)] -> RMSNorm -> LM head``,
 the forward of ``transformers``' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` (Qwen2: q/k/v biases; Qwen3: RMSNorm over ``head_dim`` of
 q and k before rotary; Llama: optional ``attention_bias`` / ``mlp_bias`` and
-``llama3`` rotary scaling).
+``llama3`` rotary scaling). Qwen3-MoE (``Qwen3MoeForCausalLM``: Qwen3's attention) and
+Mixtral (``MixtralForCausalLM``: Llama's attention) replace the MLP of their MoE layers
+(``DecoderConfig.is_moe_layer``) by :class:`MoEMLP`, a dropless
+:func:`jaxrl_kernels.moe.moe_mlp` whose routing is row-local: a token's bits stay
+independent of the batch.
 
 Why a token's bits are the same in every layout (decode at one batch size,
 the training forward packed at another), as for :class:`~jaxrl_kernels.nn.TinyCausalLM`:
@@ -74,6 +79,7 @@ from jaxrl_kernels.gemm import (
   row_parallel_partials,
 )
 from jaxrl_kernels.models.config import DecoderConfig, parse_dtype
+from jaxrl_kernels.moe import load_balancing_loss, moe_mlp
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
 from jaxrl_kernels.nn.norm import add_rms_norm, rms_norm
@@ -375,32 +381,85 @@ class MLP(nnx.Module):
     return act.astype(g.dtype)
 
 
+class MoEMLP(nnx.Module):
+  """A mixture-of-experts SwiGLU layer (:func:`jaxrl_kernels.moe.moe_mlp`): ``router [H,
+  E]``, the experts' ``gate_up [E, H, 2 I]`` (gate and up columns interleaved, as
+  ``MLP.gate_up_proj``) and ``down [E, I, H]``, ``I = moe_intermediate_size``. The router
+  product runs in the activation dtype, its softmax in float32 (``transformers``)."""
+
+  def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, rngs):
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    init = nnx.initializers.normal(_INIT_STD)
+    self.dtype = dtype
+    self.implementation = implementation
+    self.k = cfg.num_experts_per_tok
+    self.normalize = bool(cfg.norm_topk_prob)
+    self.router = nnx.Param(init(rngs.params(), (h, e), param_dtype))
+    self.router.set_metadata(logical_axes=("embed", "expert"))
+    self.gate_up = nnx.Param(init(rngs.params(), (e, h, 2 * i), param_dtype))
+    self.gate_up.set_metadata(logical_axes=("expert", "embed", "mlp"))
+    self.down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
+    self.down.set_metadata(logical_axes=("expert", "mlp", "embed"))
+
+  def route(self, x: jax.Array):
+    """``x [..., H]`` -> :class:`~jaxrl_kernels.moe.MoEOutput` (``y [..., H]`` in
+    ``dtype``; the router's float32 ``logits``, ``probs [T, E]`` and ``experts [T, k]``)."""
+    dt = self.dtype
+    return moe_mlp(x.astype(dt), self.router[...].astype(dt), self.gate_up[...].astype(dt),
+                   self.down[...].astype(dt), k=self.k, normalize=self.normalize,
+                   implementation=self.implementation)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.route(x).y
+
+
 class DecoderLayer(nnx.Module):
-  """``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+  """``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``;
+  ``mlp`` an :class:`MLP`, or a :class:`MoEMLP` where ``cfg.is_moe_layer(index)``."""
 
   def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, implementation, row_chunks,
-               rngs):
+               rngs, index: int = 0):
     # row_chunks: (o_proj's, down_proj's) K chunks.
     kw = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
     norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, implementation=implementation)
     self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
     self.self_attn = Attention(cfg, row_chunks=row_chunks[0], **kw)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-    self.mlp = MLP(cfg, row_chunks=row_chunks[1], **kw)
+    self.moe = cfg.is_moe_layer(index)
+    self.mlp = MoEMLP(cfg, **kw) if self.moe else MLP(cfg, row_chunks=row_chunks[1], **kw)
 
   def _rest(self, x, attn):
-    x = x + self.self_attn.out(attn)
-    return x + self.mlp(self.post_attention_layernorm(x))
+    return self._rest_routed(x, attn)[0]
 
-  def __call__(self, x, positions, docs: Documents | None):
-    """Full-sequence forward; returns the new ``x`` and this layer's ``k, v``."""
+  def _rest_routed(self, x, attn):
+    """``(x, routing)``: routing is ``(probs, experts)`` of a MoE layer, else None."""
+    x = x + self.self_attn.out(attn)
+    h = self.post_attention_layernorm(x)
+    if not self.moe:
+      return x + self.mlp(h), None
+    out = self.mlp.route(h)
+    return x + out.y, (out.probs, out.experts)
+
+  def _attention(self, x, positions, docs: Documents | None):
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
     if docs is None:  # every row is one document from column 0: already aligned
       attn = self.self_attn.attend(q, k, v)
     else:
       attn = docs.scatter(self.self_attn.attend(docs.gather(q), docs.gather(k), docs.gather(v),
                                                 docs=docs))
+    return attn, k, v
+
+  def __call__(self, x, positions, docs: Documents | None):
+    """Full-sequence forward; returns the new ``x`` and this layer's ``k, v``."""
+    attn, k, v = self._attention(x, positions, docs)
     return self._rest(x, attn), k, v
+
+  def routed(self, x, positions, docs: Documents | None):
+    """:meth:`__call__`'s ``x`` (the same bits) and this layer's routing: ``(probs [T, E],
+    experts [T, k])`` of a MoE layer (``T = B * S``, every position), None for a dense
+    one."""
+    attn, _, _ = self._attention(x, positions, docs)
+    return self._rest_routed(x, attn)
 
   def extend(self, x, positions, cache_k, cache_v, start: int):
     """A chunk of every row's prompt ``x [B, C, H]`` at ``positions`` ``start ..
@@ -414,8 +473,10 @@ class DecoderLayer(nnx.Module):
     return self._rest(x, attn), cache_k, cache_v
 
   def decode_weights(self) -> tuple[ChunkedWeight | None, ChunkedWeight | None]:
-    """``o_proj`` and ``down_proj`` kernels in their chunk layout, for :meth:`decode`."""
-    return self.self_attn.o_proj.chunked_kernel(), self.mlp.down_proj.chunked_kernel()
+    """``o_proj`` and ``down_proj`` kernels in their chunk layout, for :meth:`decode` (a MoE
+    layer has no ``down_proj``: None)."""
+    down = None if self.moe else self.mlp.down_proj.chunked_kernel()
+    return self.self_attn.o_proj.chunked_kernel(), down
 
   def decode(self, x, cache_k, cache_v, lengths, pending=None, weights=None):
     """One token per row ``x [B, 1, H]`` at position ``lengths[b]``: writes its ``k, v``
@@ -426,8 +487,9 @@ class DecoderLayer(nnx.Module):
     the previous layer's ``down_proj`` partials (``RowParallelLinear.partials``) not yet
     added to ``x``, or None. Returns ``(x, pending, cache_k, cache_v)``: this layer's
     ``down_proj`` partials are left pending for the next norm (None when the layer cannot
-    give partials: then ``x`` is complete). ``weights``: :meth:`decode_weights`, made once
-    before a decode loop (the same bits)."""
+    give partials, and for a MoE layer, whose output is added here as in :meth:`__call__`:
+    then ``x`` is complete). ``weights``: :meth:`decode_weights`, made once before a decode
+    loop (the same bits)."""
     o_w, down_w = (None, None) if weights is None else weights
     if pending is None:
       h = self.input_layernorm(x)
@@ -447,6 +509,8 @@ class DecoderLayer(nnx.Module):
       h = self.post_attention_layernorm(x)
     else:
       x, h = self.post_attention_layernorm.add(x, *parts)
+    if self.moe:
+      return x + self.mlp(h), None, cache_k, cache_v
     act = self.mlp.hidden(h)
     parts = self.mlp.down_proj.partials(act, down_w)
     if parts is None:
@@ -529,6 +593,10 @@ def _layer_forward(layer, x, positions, docs):
   return layer(x, positions, docs)[0]
 
 
+def _layer_routed(layer, x, positions, docs):
+  return layer.routed(x, positions, docs)
+
+
 class DecoderLM(nnx.Module):
   """A Llama / Qwen2 / Qwen3 causal LM whose per-token log-probs are batch-invariant.
 
@@ -594,7 +662,8 @@ class DecoderLM(nnx.Module):
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pdt,
                                   embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
     self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
-    self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, index=i, **kw)
+                            for i in range(cfg.num_hidden_layers)])
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt,
                         implementation=implementation)
     tied = self.embed_tokens.embedding if cfg.tie_word_embeddings else None
@@ -633,6 +702,47 @@ class DecoderLM(nnx.Module):
     for layer in self.layers:
       x = forward(layer, x, positions, docs)
     return self.norm(x)
+
+  def route(self, tokens: jax.Array, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None, *, max_docs: int | None = None
+            ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+    """``(hidden, routing)``: :meth:`__call__`'s final-norm hidden states ``[B, T, H]``
+    and, per MoE layer in order, its router's ``(probs [B*T, E] float32, experts [B*T, k]
+    int32)`` over every position (padding included: mask it in :meth:`router_aux_loss`).
+    One forward for a training step that adds the router loss to the head's
+    (``self.head.policy_loss(hidden, ...)``). Arguments as :meth:`__call__`."""
+    tokens = check_token_ids("DecoderLM.route", "tokens", tokens, self.config.vocab_size)
+    if not self._traced(tokens, positions, segment_ids):
+      return _jit_route(self, tokens, positions, segment_ids, max_docs=max_docs)
+    tokens, positions, docs = layout(tokens, positions, segment_ids, max_docs,
+                                     op="DecoderLM.route")
+    x = embed_ids(self.embed_tokens, tokens, self.config.vocab_size)
+    forward = nnx.remat(_layer_routed) if self.remat else _layer_routed
+    routing = []
+    for layer in self.layers:
+      x, r = forward(layer, x, positions, docs)
+      if r is not None:
+        routing.append(r)
+    return self.norm(x), tuple(routing)
+
+  def router_aux_loss(self, routing: tuple, mask: jax.Array | None = None) -> jax.Array:
+    """``transformers``' load-balancing loss (``load_balancing_loss_func``) of
+    :meth:`route`'s ``routing``: the MoE layers' tokens concatenated, ``E * sum_{j,e}
+    f[j, e] P[e]`` (:func:`jaxrl_kernels.moe.load_balancing_loss`), over the positions
+    where ``mask [B, T]`` is True (None: all). Unweighted: ``transformers`` adds
+    ``config.router_aux_loss_coef`` times it to the LM loss. float32 scalar."""
+    if not routing:
+      raise ValueError(f"DecoderLM.router_aux_loss: routing is empty (this "
+                       f"{self.config.model_type!r} model has no MoE layer)")
+    probs = jnp.concatenate([p for p, _ in routing], axis=0)
+    experts = jnp.concatenate([e for _, e in routing], axis=0)
+    if mask is not None:
+      mask = jnp.asarray(mask)
+      if mask.size * len(routing) != probs.shape[0]:
+        raise ValueError(f"DecoderLM.router_aux_loss: mask must have one entry per token "
+                         f"({probs.shape[0] // len(routing)}), got shape {mask.shape}")
+      mask = jnp.tile(mask.reshape(-1), len(routing))
+    return load_balancing_loss(probs, experts, mask, implementation=self.implementation)
 
   def logp(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
@@ -797,6 +907,7 @@ class DecoderLM(nnx.Module):
 
 
 _jit_call = nnx.jit(DecoderLM.__call__, static_argnames=("max_docs",))
+_jit_route = nnx.jit(DecoderLM.route, static_argnames=("max_docs",))
 _jit_logp = nnx.jit(DecoderLM.logp, static_argnames=("max_docs", "temperature",
                                                      "return_entropy"))
 _jit_logits = nnx.jit(DecoderLM.logits, static_argnames=("max_docs", "temperature"))

@@ -13,7 +13,10 @@ Tensor names are ``transformers``' (``model.layers.3.self_attn.q_proj.weight``
 weights are transposed on the way in and out, and its packed projections
 (``self_attn.qkv_proj``, ``mlp.gate_up_proj``; see :mod:`~jaxrl_kernels.models.decoder`)
 are packed from ``q/k/v_proj`` and ``gate/up_proj`` on the way in and split on the
-way out.
+way out. A mixture-of-experts layer's per-expert tensors (Qwen3-MoE
+``mlp.experts.{e}.gate_proj/up_proj/down_proj``, Mixtral
+``block_sparse_moe.experts.{e}.w1/w3/w2``) are stacked into its ``[E, ...]`` parameters
+on the way in and split on the way out (:func:`hf_names`).
 """
 
 from __future__ import annotations
@@ -131,14 +134,46 @@ def _read_folder_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, st
 
 #: The model's packed projections and the transformers modules they hold, in order.
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: A MoE layer's transformers module and its experts' (gate, up, down) projections.
+MOE_MODULES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+#: ``MoEMLP``'s parameters: ``router [H, E]``, ``gate_up [E, H, 2I]``, ``down [E, I, H]``.
+_MOE_LEAVES = ("router", "gate_up", "down")
 
 
-def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
+def _moe_leaf(path: tuple) -> str | None:
+  """``"router"``, ``"gate_up"`` or ``"down"`` for a ``MoEMLP`` parameter path
+  (``("layers", i, "mlp", leaf)``), else None."""
+  leaf = str(path[-1])
+  return leaf if len(path) == 4 and str(path[-2]) == "mlp" and leaf in _MOE_LEAVES else None
+
+
+def hf_names(path: tuple, cfg: DecoderConfig | None = None) -> tuple[tuple[str, ...], bool]:
   """``(transformers tensor names, transposed)`` of a model state path, e.g.
   ``("layers", 0, "mlp", "down_proj", "kernel")`` ->
   ``(("model.layers.0.mlp.down_proj.weight",), True)``; a packed projection names its
   parts, ``("layers", 0, "self_attn", "qkv_proj", "bias")`` ->
-  ``(("model.layers.0.self_attn.q_proj.bias", "...k_proj.bias", "...v_proj.bias"), False)``."""
+  ``(("model.layers.0.self_attn.q_proj.bias", "...k_proj.bias", "...v_proj.bias"), False)``.
+
+  A MoE layer's parameters (``cfg`` needed: the model type and the number of experts):
+  ``router`` -> ``model.layers.{i}.mlp.gate.weight`` (Mixtral:
+  ``block_sparse_moe.gate.weight``); ``gate_up`` -> every expert's gate, then every
+  expert's up projection (``mlp.experts.{e}.gate_proj.weight``, ``...up_proj.weight``;
+  Mixtral ``w1``, ``w3``); ``down`` -> ``mlp.experts.{e}.down_proj.weight`` (Mixtral
+  ``w2``); all ``[out, in]``, transposed."""
+  leaf = _moe_leaf(path)
+  if leaf is not None:
+    if cfg is None or cfg.model_type not in MOE_MODULES:
+      raise ValueError(f"hf_names: the MoE parameter {'.'.join(map(str, path))} needs the "
+                       f"config of a {tuple(MOE_MODULES)} model, got "
+                       f"{None if cfg is None else cfg.model_type!r}")
+    block, (gate, up, down) = MOE_MODULES[cfg.model_type]
+    prefix = f"model.layers.{path[1]}.{block}"
+    experts = range(cfg.num_experts)
+    if leaf == "router":
+      return (f"{prefix}.gate.weight",), True
+    mods = (gate, up) if leaf == "gate_up" else (down,)
+    return tuple(f"{prefix}.experts.{e}.{m}.weight" for m in mods for e in experts), True
   *mods, leaf = (str(p) for p in path)
   suffix = "weight" if leaf in ("kernel", "embedding") else leaf
   transposed = leaf == "kernel"
@@ -148,18 +183,31 @@ def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
   return tuple(f"{prefix}.{m}.{suffix}" for m in PACKED.get(mods[-1], mods[-1:])), transposed
 
 
-def _part_widths(path: tuple, cfg: DecoderConfig, width: int) -> tuple[int, ...]:
-  """The last-axis sizes of the transformers tensors behind a parameter of last axis
-  ``width`` (one tensor unless the parameter is packed)."""
+def _part_shapes(path: tuple, cfg: DecoderConfig, shape: tuple) -> tuple[tuple, ...]:
+  """The shapes (in the model's ``[in, out]`` layout) of the transformers tensors behind a
+  parameter of ``shape``, in :func:`hf_names`' order (one tensor unless the parameter is
+  packed or stacks experts)."""
+  leaf = _moe_leaf(path)
+  if leaf == "gate_up":
+    return (tuple(shape[1:-1]) + (shape[-1] // 2,),) * (2 * shape[0])
+  if leaf == "down":
+    return (tuple(shape[1:]),) * shape[0]
   module = str(path[-2])
+  widths = (shape[-1],)
   if module == "qkv_proj":
-    return cfg.q_dim, cfg.kv_dim, cfg.kv_dim
-  if module == "gate_up_proj":
-    return cfg.intermediate_size, cfg.intermediate_size
-  return (width,)
+    widths = cfg.q_dim, cfg.kv_dim, cfg.kv_dim
+  elif module == "gate_up_proj":
+    widths = cfg.intermediate_size, cfg.intermediate_size
+  return tuple((*shape[:-1], w) for w in widths)
 
 
 def _pack(path: tuple, parts: list[np.ndarray], cfg: DecoderConfig) -> np.ndarray:
+  leaf = _moe_leaf(path)
+  if leaf == "gate_up":  # [E] gates then [E] ups, each [H, I] -> [E, H, 2I]
+    e = len(parts) // 2
+    return pack_gate_up(np.stack(parts[:e]), np.stack(parts[e:]))
+  if leaf == "down":
+    return np.stack(parts)
   module = str(path[-2])
   if module == "qkv_proj":
     return pack_qkv(*parts, cfg.num_key_value_heads)
@@ -169,6 +217,12 @@ def _pack(path: tuple, parts: list[np.ndarray], cfg: DecoderConfig) -> np.ndarra
 
 
 def _unpack(path: tuple, x: np.ndarray, cfg: DecoderConfig) -> tuple[np.ndarray, ...]:
+  leaf = _moe_leaf(path)
+  if leaf == "gate_up":
+    gate, up = unpack_gate_up(x)
+    return (*gate, *up)
+  if leaf == "down":
+    return tuple(x)
   module = str(path[-2])
   if module == "qkv_proj":
     return unpack_qkv(x, cfg.num_key_value_heads, cfg.head_dim)
@@ -255,11 +309,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   flat = []
   used = set()
   for p, leaf in nnx.to_flat_state(abstract):
-    names, transposed = hf_names(p)
+    names, transposed = hf_names(p, cfg)
     shape = tuple(leaf.get_value().shape)
     parts = []
-    for name, width in zip(names, _part_widths(p, cfg, shape[-1]), strict=True):
-      want = (*shape[:-1], width)
+    for name, want in zip(names, _part_shapes(p, cfg, shape), strict=True):
       if name not in tensors:
         raise ValueError(f"from_pretrained: tensor {name} (shape "
                          f"{want[::-1] if transposed else want}) is missing from {path}")
@@ -336,7 +389,7 @@ def save_pretrained(model: DecoderLM, path: str | os.PathLike, *,
     raise ValueError(f"save_pretrained: path {path} exists and is not a folder")
   arrays: dict[str, np.ndarray] = {}
   for p, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    names, transposed = hf_names(p)
+    names, transposed = hf_names(p, model.config)
     parts = _unpack(p, np.asarray(jax.device_get(leaf.get_value())), model.config)
     for name, x in zip(names, parts, strict=True):
       arrays[name] = np.ascontiguousarray(x.T if transposed else x)
@@ -419,7 +472,8 @@ def preset(name: str, key: jax.Array | int = 0, dtype="bfloat16", *,
            row_chunks: int | None = None, **overrides) -> DecoderLM:
   """A :class:`DecoderLM` with random weights (normal, std 0.02) at the true shape of
   ``name``: ``"qwen2.5-0.5b"``, ``"qwen2.5-1.5b"``, ``"llama-3.2-1b"``,
-  ``"llama-3.1-8b"``, ``"qwen3-8b"``. ``overrides`` replace config fields (e.g.
+  ``"llama-3.1-8b"``, ``"qwen3-8b"``, ``"qwen3-30b-a3b"``, ``"mixtral-8x7b"``.
+  ``overrides`` replace config fields (e.g.
   ``num_hidden_layers=2``); ``row_chunks`` as in :class:`DecoderLM`. ``dtype`` (activations
   and parameters) takes what :func:`~jaxrl_kernels.models.config.parse_dtype` accepts;
   ``"auto"`` is refused (a preset has no checkpoint ``torch_dtype`` to read)."""

@@ -491,6 +491,12 @@ class ShardedDecoderLM(nnx.Module):
     if merge not in MERGES:
       raise ValueError(f"shard: merge must be one of {MERGES}, got {merge!r}")
     cfg = model.config
+    if cfg.num_experts:
+      # The expert weights ([E, H, 2I], [E, I, H]) have no sharding rule or sharded MoE
+      # forward yet: refused rather than placed along the wrong dimension.
+      raise NotImplementedError(f"shard: mixture-of-experts models ({cfg.model_type!r}, "
+                                f"{cfg.num_experts} experts) are not supported by shard yet; "
+                                f"run the DecoderLM unsharded")
     tp = parallelism.size("tp")
     if tp > 1:
       if cfg.num_key_value_heads % tp:
