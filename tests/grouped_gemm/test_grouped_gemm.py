@@ -3,7 +3,7 @@
 Every implementation that runs here ("cpu", "interpret"), float32 (rounding that
 bf16 would hide) and bfloat16. On the tile-aligned layout XLA's CPU ``ragged_dot`` happens
 to keep rows invariant too, so the stock control is the MoE layer's
-(tests/moe/test_moe.py) and, on a GPU, tests/grouped_gemm/test_grouped_gemm_gpu.py.
+(tests/moe/test_moe_layer.py) and, on a GPU, tests/grouped_gemm/test_grouped_gemm_gpu.py.
 """
 
 from __future__ import annotations
