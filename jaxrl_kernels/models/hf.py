@@ -249,6 +249,38 @@ def _checkpoint_dtype(raw: dict, cfg_path: str) -> np.dtype:
   return parse_dtype(f"from_pretrained: {key} in {cfg_path} (dtype 'auto')", value)
 
 
+_FUSED = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.(experts\.gate_up_proj|"
+                    r"experts\.down_proj|gate\.weight)$")
+
+
+def _split_fused_experts(tensors: dict, files: dict, cfg: DecoderConfig) -> tuple[dict, dict]:
+  """``transformers`` 5's in-memory expert layout, if a folder holds it, as the per-expert
+  checkpoint names: ``{block}.experts.gate_up_proj`` ``[E, 2I, H]`` (every expert's gate
+  rows, then its up rows) and ``{block}.experts.down_proj`` ``[E, H, I]``, with the block
+  ``mlp`` for Mixtral too (its checkpoints say ``block_sparse_moe``)."""
+  block, (gate, up, down) = MOE_MODULES[cfg.model_type]
+  out, where = dict(tensors), dict(files)
+  for name, x in tensors.items():
+    m = _FUSED.match(name)
+    if m is None or (m.group(3) == "gate.weight" and m.group(2) == block):
+      continue
+    prefix = f"model.layers.{m.group(1)}.{block}"
+    del out[name]
+    parts = {}
+    if m.group(3) == "gate.weight":
+      parts[f"{prefix}.gate.weight"] = x
+    elif m.group(3) == "experts.down_proj":
+      parts.update((f"{prefix}.experts.{e}.{down}.weight", x[e]) for e in range(x.shape[0]))
+    else:
+      half = x.shape[1] // 2
+      for e in range(x.shape[0]):
+        parts[f"{prefix}.experts.{e}.{gate}.weight"] = x[e, :half]
+        parts[f"{prefix}.experts.{e}.{up}.weight"] = x[e, half:]
+    out.update(parts)
+    where.update(dict.fromkeys(parts, files[name]))
+  return out, where
+
+
 def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
                     implementation: str | None = None, remat: bool = False,
                     row_chunks: int | None = None) -> DecoderLM:
@@ -286,6 +318,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   raw = _read_json(cfg_path)
   cfg = from_hf_dict(raw, source=f"from_pretrained: {cfg_path}")
   tensors, files = _read_folder_tensors(path)
+  if cfg.num_experts:
+    tensors, files = _split_fused_experts(tensors, files, cfg)
   for name, x in tensors.items():
     if not np.issubdtype(x.dtype, np.floating) and x.dtype != jnp.bfloat16 \
         and not name.endswith(_IGNORED_SUFFIXES):

@@ -472,6 +472,31 @@ def test_save_load_round_trip_bitwise_with_hf_names(folder, tmp_path):
       assert_bitwise_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), str(p))
 
 
+def test_transformers_5_fused_expert_tensors_load_the_same(folder, tmp_path):
+  """A folder in transformers 5's fused expert layout (``{mlp}.experts.gate_up_proj``
+  ``[E, 2I, H]`` gate rows then up rows, ``experts.down_proj`` ``[E, H, I]``; Mixtral's
+  block named ``mlp``) loads the same parameters bitwise as the per-expert names."""
+  _, cfg, weights, path = folder
+  fused = dict(weights)
+  for i in range(L):
+    if not _is_moe(cfg, i):
+      continue
+    block, (g, u, d) = _moe_names(cfg, i)
+    new = f"model.layers.{i}.mlp"
+    gate = [fused.pop(f"{block}.experts.{e}.{g}.weight") for e in range(E)]
+    up = [fused.pop(f"{block}.experts.{e}.{u}.weight") for e in range(E)]
+    down = [fused.pop(f"{block}.experts.{e}.{d}.weight") for e in range(E)]
+    fused[f"{new}.experts.gate_up_proj"] = np.concatenate([np.stack(gate), np.stack(up)], 1)
+    fused[f"{new}.experts.down_proj"] = np.stack(down)
+    fused[f"{new}.gate.weight"] = fused.pop(f"{block}.gate.weight")
+  ref = models.from_pretrained(path, implementation="cpu")
+  got = models.from_pretrained(_write_folder(tmp_path / "v5", cfg, fused), implementation="cpu")
+  for (p, a), (q, b) in zip(nnx.to_flat_state(nnx.state(ref, nnx.Param)),
+                            nnx.to_flat_state(nnx.state(got, nnx.Param)), strict=True):
+    assert p == q
+    assert_bitwise_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), str(p))
+
+
 def test_missing_expert_tensor_named(folder, tmp_path):
   _, cfg, weights, _ = folder
   block, (_, u, _) = _moe_names(cfg, L - 1)
