@@ -507,12 +507,23 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
 #: The config keys each MoE type reads (the rest are carried in ``extra``;
 #: ``output_router_logits`` among them).
 _MOE_KEYS = {
-    "qwen3_moe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "qwen3_moe": {"num_experts", "num_local_experts", "num_experts_per_tok",
+                  "moe_intermediate_size",
                   "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                   "router_aux_loss_coef"},
-    "mixtral": {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+    "mixtral": {"num_local_experts", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
                 "router_jitter_noise", "sliding_window"},
 }
+
+
+def _num_experts(r: _Reader, own: str, default: int) -> int:
+  """The expert count under the type's own key or the other one (``num_experts`` /
+  ``num_local_experts``: ``transformers`` maps one onto the other); both must agree."""
+  other = "num_local_experts" if own == "num_experts" else "num_experts"
+  values = {key: r.int(key) for key in (own, other) if r.d.get(key) is not None}
+  if len(set(values.values())) > 1:
+    raise ValueError(f"{r.source}: num_experts and num_local_experts disagree: {values}")
+  return next(iter(values.values()), default)
 
 
 def _read_moe(r: _Reader, model_type: str, defaults: dict) -> dict[str, Any]:
@@ -529,7 +540,7 @@ def _read_moe(r: _Reader, model_type: str, defaults: dict) -> dict[str, Any]:
     if r.float("router_jitter_noise", 0.0) != 0.0:
       raise ValueError(f"{source}: router_jitter_noise must be 0 (router noise is not "
                        f"supported), got {d['router_jitter_noise']!r}")
-    experts = r.int("num_local_experts", defaults["num_experts"])
+    experts = _num_experts(r, "num_local_experts", defaults["num_experts"])
     # The experts are intermediate_size wide; top-k weights always renormalized.
     width = r.int("intermediate_size", required=True)
     return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=width,
@@ -540,7 +551,8 @@ def _read_moe(r: _Reader, model_type: str, defaults: dict) -> dict[str, Any]:
   if not isinstance(layers, list) or any(not isinstance(i, int) or isinstance(i, bool)
                                          for i in layers):
     raise r.fail("mlp_only_layers", "a list of layer indices or null", layers)
-  return dict(num_experts=r.int("num_experts", defaults["num_experts"]), num_experts_per_tok=k,
+  return dict(num_experts=_num_experts(r, "num_experts", defaults["num_experts"]),
+              num_experts_per_tok=k,
               moe_intermediate_size=r.int("moe_intermediate_size",
                                           defaults["moe_intermediate_size"]),
               norm_topk_prob=r.bool("norm_topk_prob", defaults["norm_topk_prob"]),

@@ -50,12 +50,13 @@ def test_rows_do_not_depend_on_the_routing_around_them(dtype):
   w = jnp.asarray(rng.standard_normal((e, k, n)) * 0.02, dtype)
   probe = jnp.asarray(rng.standard_normal((16, k)) * 2.0 ** rng.integers(-6, 7, (16, 1)), dtype)
   probe_ids = rng.integers(0, e, 16)
-  f = jax.jit(lambda x, ids: _rows_product(x, w, ids, "triton"))
-  alone = f(probe, jnp.asarray(probe_ids))
+  # The weight is an argument: a closed-over 0.8 GB constant would be folded at compile time.
+  f = jax.jit(lambda x, w, ids: _rows_product(x, w, ids, "triton"))
+  alone = f(probe, w, jnp.asarray(probe_ids))
   for others in (48, 2032, 16368):
     x = jnp.concatenate([jnp.asarray(rng.standard_normal((others, k)), dtype), probe])
     ids = jnp.asarray(np.concatenate([rng.integers(0, e, others), probe_ids]))
-    assert_bitwise_equal(f(x, ids)[-16:], alone, f"{others} other rows")
+    assert_bitwise_equal(f(x, w, ids)[-16:], alone, f"{others} other rows")
 
 
 def test_weight_gradient_is_deterministic_run_to_run():
@@ -86,10 +87,11 @@ def test_moe_layer_is_batch_invariant_and_the_stock_layer_is_not():
   x = jnp.asarray(rng.standard_normal((1024, h)), jnp.bfloat16)
   counts = {}
   for impl in ("triton", "xla"):
-    f = jax.jit(lambda x, impl=impl: moe_mlp(x, router, gate_up, down, k=8, normalize=True,
-                                             implementation=impl).y)
-    full = bits(f(x))
-    counts[impl] = sum(not np.array_equal(bits(f(x[r:r + 1])), full[r:r + 1])
+    f = jax.jit(lambda x, *w, impl=impl: moe_mlp(x, *w, k=8, normalize=True,
+                                                 implementation=impl).y)
+    ws = (router, gate_up, down)
+    full = bits(f(x, *ws))
+    counts[impl] = sum(not np.array_equal(bits(f(x[r:r + 1], *ws)), full[r:r + 1])
                        for r in range(0, 1024, 64))
   print("tokens of 16 differing alone vs in the batch:", counts)
   assert counts["triton"] == 0
