@@ -395,11 +395,16 @@ class MoEMLP(nnx.Module):
     self.k = cfg.num_experts_per_tok
     self.normalize = bool(cfg.norm_topk_prob)
     self.router = nnx.Param(init(rngs.params(), (h, e), param_dtype))
-    self.router.set_metadata(logical_axes=("embed", "expert"))
+    # The router is whole on every device ("router" is no tensor-parallel axis).
+    self.router.set_metadata(logical_axes=("embed", "router"))
     self.gate_up = nnx.Param(init(rngs.params(), (e, h, 2 * i), param_dtype))
     self.gate_up.set_metadata(logical_axes=("expert", "embed", "mlp"))
     self.down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
     self.down.set_metadata(logical_axes=("expert", "mlp", "embed"))
+
+  #: Set by ``models.shard`` to its tensor-parallel axis: the experts split over it, the
+  #: tokens replicated (``moe_mlp``'s ``expert_axis``, ``tokens_replicated``).
+  expert_axis: str | None = None
 
   def route(self, x: jax.Array):
     """``x [..., H]`` -> :class:`~jaxrl_kernels.moe.MoEOutput` (``y [..., H]`` in
@@ -407,7 +412,8 @@ class MoEMLP(nnx.Module):
     dt = self.dtype
     return moe_mlp(x.astype(dt), self.router[...].astype(dt), self.gate_up[...].astype(dt),
                    self.down[...].astype(dt), k=self.k, normalize=self.normalize,
-                   implementation=self.implementation)
+                   implementation=self.implementation, expert_axis=self.expert_axis,
+                   tokens_replicated=self.expert_axis is not None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.route(x).y

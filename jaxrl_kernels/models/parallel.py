@@ -17,6 +17,10 @@ The model runs under ``shard_map`` with explicit collectives, and every per-toke
   value exactly. The head is :func:`~jaxrl_kernels.linear_logp.vocab_parallel_linear_logp`
   (its vocabulary zero-padded to the tile grid, ``pad_vocab``). RMSNorm weights are
   replicated.
+  A mixture-of-experts layer's experts are split over tp (``expert`` axis; the router is
+  replicated): each device computes its experts' assignments of the (replicated) tokens and
+  a ``psum`` in which the other devices add ``-0.0`` gives every assignment its owner's
+  bits (``moe_mlp(..., tokens_replicated=True)``).
 * **fsdp**: every parameter is split over the fsdp axis on its first dimension that tp
   does not split and that the fsdp size divides (replicated when none does); a layer's
   parameters are all-gathered (exact) when the layer runs. The batch is split over
@@ -42,12 +46,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_kernels import _compat
 from jaxrl_kernels.linear_logp import LogitStats, padded_vocab_size, vocab_parallel_linear_logp
 from jaxrl_kernels.linear_logp import api as linear_logp_api
-from jaxrl_kernels.models.decoder import DecoderLM, RowParallelLinear
+from jaxrl_kernels.models.decoder import DecoderLM, MoEMLP, RowParallelLinear
 from jaxrl_kernels.nn.protocol import KVCache, check_prefill, check_token_ids
 from jaxrl_kernels.reduce.segment import take_rows
 
 #: Logical axes (the ``logical_axes`` metadata of ``DecoderLM``'s parameters) split over tp.
-TP_LOGICAL_AXES = ("vocab", "q_heads", "kv_heads", "mlp")
+TP_LOGICAL_AXES = ("vocab", "q_heads", "kv_heads", "expert", "mlp")
 MERGES = ("canonical", "psum")
 _OP = "ShardedDecoderLM"
 
@@ -491,13 +495,10 @@ class ShardedDecoderLM(nnx.Module):
     if merge not in MERGES:
       raise ValueError(f"shard: merge must be one of {MERGES}, got {merge!r}")
     cfg = model.config
-    if cfg.num_experts:
-      # The expert weights ([E, H, 2I], [E, I, H]) have no sharding rule or sharded MoE
-      # forward yet: refused rather than placed along the wrong dimension.
-      raise NotImplementedError(f"shard: mixture-of-experts models ({cfg.model_type!r}, "
-                                f"{cfg.num_experts} experts) are not supported by shard yet; "
-                                f"run the DecoderLM unsharded")
     tp = parallelism.size("tp")
+    if cfg.num_experts % tp:
+      raise ValueError(f"shard: tp={tp} must divide num_experts={cfg.num_experts} (a MoE "
+                       f"layer's experts are split over tp)")
     if tp > 1:
       if cfg.num_key_value_heads % tp:
         raise ValueError(f"shard: tp={tp} must divide num_key_value_heads="
@@ -534,6 +535,8 @@ class ShardedDecoderLM(nnx.Module):
       if isinstance(sub, RowParallelLinear):
         sub.axis_name = parallelism.tp
         sub.merge = merge
+      if isinstance(sub, MoEMLP) and tp > 1:
+        sub.expert_axis = parallelism.tp
     self.config = cfg
     self.parallelism = parallelism
     self.merge = merge

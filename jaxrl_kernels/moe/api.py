@@ -91,7 +91,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *, k: int,
             normalize: bool, implementation: str | None = None,
-            expert_axis: str | None = None) -> MoEOutput:
+            expert_axis: str | None = None, tokens_replicated: bool = False) -> MoEOutput:
   """A mixture-of-experts SwiGLU layer (module docstring).
 
   Args:
@@ -108,6 +108,10 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
       split over (``gate_up``/``down`` hold this device's ``E / ep`` experts, in order;
       ``router`` is whole; ``x`` is this device's tokens). Outputs are bitwise those of
       one device (docs/moe.md).
+    tokens_replicated: with ``expert_axis``, every device holds the same tokens (a
+      tensor-parallel axis): each computes the assignments of its experts, and a ``psum``
+      in which every other device adds ``-0.0`` gives each assignment its owner's bits
+      (no ``all_to_all``). Forward only (rollout); training shards experts with FSDP.
 
   Returns:
     :class:`MoEOutput`; ``y`` in ``x``'s dtype.
@@ -135,6 +139,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     layout = group_layout(experts.reshape(-1), num_experts)
     dest = layout.dest.reshape(t, k)
     yp = _experts(_dispatch(x2, dest, layout.rows), gate_up, down, layout, impl)
+  elif tokens_replicated:
+    dest, yp = _owned(x2, experts, gate_up, down, expert_axis, impl)
   else:
     dest, yp = _exchange(x2, experts, gate_up, down, expert_axis, ep, impl)
   y = _combine_terms(weights, yp, dest, guarded=False) if stock else _combine(weights, yp, dest)
@@ -185,14 +191,31 @@ def _exchange(x2, experts, gate_up, down, axis, ep, impl):
   return send_pos.reshape(t, k), back
 
 
+def _owned(x2, experts, gate_up, down, axis, impl):
+  """Expert parallelism over replicated tokens: this device's experts on their assignments;
+  every assignment's output row is its owner's, summed with ``-0.0`` from the others
+  (``x + -0.0 == x`` for every ``x``: the owner's bits exactly). Returns ``(dest [T, k],
+  yp [A, H])`` for the combine."""
+  t, k = experts.shape
+  local = gate_up.shape[0]
+  flat = experts.reshape(-1)
+  mine = flat // local == lax.axis_index(axis)
+  layout = group_layout(flat % local, local, valid=mine)
+  yp = _experts(_dispatch(x2, layout.dest.reshape(t, k), layout.rows), gate_up, down, layout,
+                impl)
+  rows = yp.at[layout.dest].get(mode="fill", fill_value=-0.0)
+  return jnp.arange(t * k, dtype=jnp.int32).reshape(t, k), lax.psum(rows, axis)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dispatch(x2, dest, rows):
   """``k`` copies of each token row into a ``[rows, H]`` buffer at ``dest [T, k]`` (unique
-  rows; the others zero). Its backward adds a token's ``k`` row gradients in rank order in
-  float32 (autodiff would leave the order to its accumulation)."""
+  rows, or ``rows`` itself for an assignment that takes no row; the others zero). Its
+  backward adds a token's ``k`` row gradients in rank order in float32 (autodiff would
+  leave the order to its accumulation)."""
   buf = jnp.zeros((rows, x2.shape[1]), x2.dtype)
   for j in range(dest.shape[1]):
-    buf = buf.at[dest[:, j]].set(x2, unique_indices=True)
+    buf = buf.at[dest[:, j]].set(x2, mode="drop", unique_indices=True)
   return buf
 
 
@@ -201,9 +224,11 @@ def _dispatch_fwd(x2, dest, rows):
 
 
 def _dispatch_bwd(rows, dest, g):
-  dx = g[dest[:, 0]].astype(jnp.float32)
+  def row(j):
+    return g.at[dest[:, j]].get(mode="fill", fill_value=0).astype(jnp.float32)
+  dx = row(0)
   for j in range(1, dest.shape[1]):
-    dx = dx + g[dest[:, j]].astype(jnp.float32)
+    dx = dx + row(j)
   return dx.astype(g.dtype), None  # the buffer's dtype is x's
 
 

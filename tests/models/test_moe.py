@@ -309,13 +309,6 @@ def test_moe_presets():
   assert mx.layers[0].mlp.gate_up.shape == (8, 64, 64)
 
 
-def test_shard_refuses_moe(folder):
-  _, _, _, path = folder
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
-  with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-    models.shard(models.from_pretrained(path), models.Parallelism(mesh, dp="dp"))
-
-
 # ------------------------------------------------------------------------------- forward
 
 
