@@ -459,6 +459,9 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
                  help="the model's dtype (parameters and activations; for hf:PATH the "
                       "activations, the parameters stay the checkpoint's); auto: the "
                       "checkpoint's torch_dtype (float32 for a model without one)")
+  p.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                 help="num_hidden_layers of a models preset (a shallower copy with the "
+                      "preset's widths, e.g. qwen3-30b-a3b with --layers 2)")
   p.add_argument("--vocab-size", type=int, default=None,
                  help="override the preset's vocabulary (default: the preset's, padded to a "
                       f"multiple of TP x {VOCAB_TILE} when --tp needs it)")
@@ -555,7 +558,7 @@ def run_sharded(args) -> int:
       usage_error(f"{flag} belongs to the TinyCausalLM check; the sharded DecoderLM check "
                   f"(--rollout-tp / --train-fsdp / --model {args.model}) does not take it")
   try:
-    cfg = parity_tp.model_config(args.model)
+    cfg = parity_tp.model_config(args.model, args.layers)
   except INPUT_ERRORS as e:
     usage_error(f"--model {args.model}: {e}")
   select_device(args.device, max(n, m))
@@ -563,7 +566,7 @@ def run_sharded(args) -> int:
                                    num_devices=len(jax.devices()))
   if problem:
     usage_error(problem)
-  build = dict(dtype=args.model_dtype, seed=args.seed)
+  build = dict(dtype=args.model_dtype, seed=args.seed, layers=args.layers)
   try:  # a checkpoint or a dtype the library refuses stops here, before any report
     model = parity_tp.build_model(args.model, implementation=args.implementation, **build)
     stock = parity_tp.build_model(args.model, implementation="xla", **build)
@@ -591,6 +594,9 @@ def run_parity(args) -> int:
       usage_error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if args.vocab_size is not None and args.vocab_size < 2:
     usage_error(f"--vocab-size must be >= 2, got {args.vocab_size}")
+  if args.layers is not None and args.model not in PRESETS:
+    usage_error(f"--layers sets the depth of a models preset ({', '.join(sorted(PRESETS))}), "
+                f"not of --model {args.model}")
   if args.model_fn is not None:
     if args.rollout_tp or args.train_fsdp:
       usage_error("--model-fn checks a user's model function; it does not take "

@@ -44,9 +44,10 @@ TINY = DecoderConfig(model_type="llama", vocab_size=1000, hidden_size=64, interm
 MODEL_CHOICES = ("tiny", *sorted(PRESETS), "hf:PATH")
 
 
-def model_config(spec: str) -> DecoderConfig:
+def model_config(spec: str, layers: int | None = None) -> DecoderConfig:
   """The architecture of ``spec`` (as :func:`build_model` takes it), read without building
-  the model: ``config.json`` for ``"hf:PATH"``."""
+  the model: ``config.json`` for ``"hf:PATH"``; ``layers`` replaces a preset's
+  ``num_hidden_layers``."""
   if spec.startswith("hf:"):
     import json
     import os
@@ -61,17 +62,18 @@ def model_config(spec: str) -> DecoderConfig:
   if spec == "tiny":
     return TINY
   if spec in PRESETS:
-    return PRESETS[spec]
+    return PRESETS[spec] if layers is None else dataclasses.replace(PRESETS[spec],
+                                                                     num_hidden_layers=layers)
   raise ValueError(f"parity_tp: model must be one of {MODEL_CHOICES}, got {spec!r}")
 
 
 def build_model(spec: str, *, dtype: str = "float32", implementation: str | None = None,
-                seed: int = 0) -> DecoderLM:
+                seed: int = 0, layers: int | None = None) -> DecoderLM:
   """The :class:`~jaxrl_kernels.models.DecoderLM` named by ``spec``: ``"tiny"``
   (:data:`TINY`), a preset of ``models.PRESETS`` (random weights at the public shape) or
   ``"hf:PATH"`` (a local Hugging Face folder, ``models.from_pretrained``). Random weights
   come from ``seed``, so two calls differing only in ``implementation`` hold the same
-  parameters."""
+  parameters; ``layers`` replaces a preset's ``num_hidden_layers``."""
   from jaxrl_kernels import models
 
   if spec.startswith("hf:"):
@@ -81,7 +83,8 @@ def build_model(spec: str, *, dtype: str = "float32", implementation: str | None
         dtype, dtype)
     return DecoderLM(TINY, dtype=dtype, implementation=implementation, rngs=nnx.Rngs(seed))
   if spec in PRESETS:
-    return models.preset(spec, seed, dtype, implementation=implementation)
+    extra = {} if layers is None else {"num_hidden_layers": layers}
+    return models.preset(spec, seed, dtype, implementation=implementation, **extra)
   raise ValueError(f"parity_tp: model must be one of {MODEL_CHOICES}, got {spec!r}")
 
 
@@ -98,6 +101,9 @@ def check_layout(config: DecoderConfig, *, rollout_tp: int, train_fsdp: int,
               f"host mesh of {max(rollout_tp, train_fsdp)} CPU devices")
   tp = rollout_tp
   if tp > 1:
+    if config.num_experts % tp:
+      return (f"--rollout-tp {tp} must divide the model's {config.num_experts} experts (a "
+              f"MoE layer's experts are split over the devices)")
     if config.num_key_value_heads % tp:
       return (f"--rollout-tp {tp} must divide the model's {config.num_key_value_heads} "
               f"key/value heads (GQA groups stay whole on a device)")

@@ -443,3 +443,36 @@ def test_a_corrupt_checkpoint_in_an_hf_folder_exits_2(bf16_folder, tmp_path, cap
   weights.write_bytes(weights.read_bytes()[:200])
   err = _refused(["parity", "--model", f"hf:{folder}", "--model-dtype", "bf16"], capsys)
   assert f"--model hf:{folder} --model-dtype bf16: " in err
+
+
+@pytest.mark.slow  # the library claim runs in CI: tests/models/test_moe_parallel.py
+def test_a_moe_folder_is_bitwise_on_policy_sampled_tp2_scored_fsdp2(tmp_path, capsys):
+  """A tiny qwen3_moe folder through the sharded check: experts split over TP = 2 in the
+  sampler, gathered under FSDP = 2 in the trainer; every sampled token bitwise."""
+  from flax import nnx
+
+  from jaxrl_kernels import models
+  cfg = models.DecoderConfig(model_type="qwen3_moe", vocab_size=1000, hidden_size=64,
+                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                             num_key_value_heads=8, head_dim=16, qk_norm=True, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32)
+  models.save_pretrained(models.DecoderLM(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "moe"))
+  argv = [*SHARDED, "--model", f"hf:{tmp_path / 'moe'}", "--rollout-tp", "2", "--train-fsdp",
+          "2"]
+  assert main(argv) == 0
+  out = capsys.readouterr().out
+  rows = [line.split() for line in out.splitlines() if line.startswith("  jaxrl_kernels")]
+  assert len(rows) == 4 and all("yes" in r for r in rows)
+  assert "is bitwise on-policy, every sampled token" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "2"], "--layers sets the depth of a models preset"),
+    (["--model", "qwen3-30b-a3b", "--layers", "1", "--rollout-tp", "3"],
+     "--rollout-tp 3 must divide the model's 128 experts"),
+])
+def test_layers_and_expert_split_are_checked_before_any_work(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["parity", *argv])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
