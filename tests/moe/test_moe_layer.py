@@ -109,10 +109,10 @@ def test_dropless_when_every_token_picks_one_expert():
 
 
 @pytest.mark.parametrize("impl,dtype", [
-    ("cpu", "float32"), ("cpu", "bfloat16"), ("interpret", "float32"),
+    ("cpu", "float32"), ("interpret", "float32"), ("cpu", "bfloat16"),
     pytest.param("interpret", "bfloat16", marks=pytest.mark.slow)])
 def test_a_tokens_output_and_gradient_do_not_depend_on_the_batch(impl, dtype):
-  """A few tokens alone, then among 1 and 150 others: the layer's
+  """A few tokens alone, then among 1 and 70 others: the layer's
   output, router choice and input gradient of those tokens are bitwise equal."""
   rng = np.random.default_rng(4)
   router, gate_up, down = _layer(rng, dtype=dtype)
@@ -126,7 +126,7 @@ def test_a_tokens_output_and_gradient_do_not_depend_on_the_batch(impl, dtype):
     return out, f(x).experts, vjp(jnp.zeros_like(out).at[-5:].set(g))[0]
 
   y0, e0, dx0 = run(probe)
-  for others in (1, 150):
+  for others in (1, 70):
     x = jnp.concatenate([jnp.asarray(rng.standard_normal((others, 64)), dtype), probe])
     y, e, dx = run(x)
     np.testing.assert_array_equal(e[-5:], e0)
@@ -148,7 +148,7 @@ def test_stock_layer_depends_on_the_batch():
   assert differs, "the stock MoE layer was batch-invariant here: the control shows nothing"
 
 
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("normalize", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_gradients_agree_with_the_stock_autodiff(normalize):
   """The hand-written VJPs (router softmax, grouped GEMM, combine) against plain JAX
   autodiff of the stock path, to float32 rounding."""
