@@ -1,15 +1,9 @@
 """jaxrl_kernels: bitwise batch-invariant kernels for RL post-training in JAX.
 
-Public ops: ``det_matmul`` (deterministic GEMM) and its row-parallel form
-``row_parallel_matmul`` (one K order at every TP degree), ``linear_logp`` (fused LM-head
-log-prob + entropy) and its vocab-parallel form ``vocab_parallel_linear_logp``,
-``causal_attention`` (decode = prefill bitwise), masked global reductions,
-``logprob_drift`` diagnostics, the ``rl`` objectives, the ``train`` driver,
-``nn`` (Flax modules, the KV-cache sampler and the trainer-side ``score``),
-``models`` (Llama / Qwen2 / Qwen3 from Hugging Face folders), ``moe`` (mixture-of-experts
-layers: invariant routing, dropless dispatch on the ``grouped_gemm`` per-expert GEMM),
-``batch_invariant`` (a transformation that makes any JAX function's reductions fixed-order) and the
-fixed-order reductions ``det_sum`` / ``det_cumsum`` / ... it uses.
+Ops: ``det_matmul`` / ``row_parallel_matmul``, ``linear_logp`` / ``vocab_parallel_linear_logp``
+(the fused LM head), ``causal_attention``, ``grouped_gemm`` and ``moe`` (mixture-of-experts),
+fixed-order and masked reductions, ``batch_invariant``; ``nn`` (modules, sampler, ``score``),
+``models`` (Hugging Face decoders), ``rl`` objectives, ``train``, ``logprob_drift``.
 """
 
 from jaxrl_kernels import attention as attention
