@@ -95,6 +95,24 @@ def test_decoder_lm_from_a_hf_folder_is_exactly_on_policy(hf_folder, tmp_path, c
   assert "ratio was exactly 1" in lines[-1]
 
 
+@pytest.mark.slow  # the demo's loop runs in CI on the tiny model; MoE on-policy: tests/models
+def test_a_moe_folder_is_exactly_on_policy(tmp_path, capsys):
+  """A qwen3_moe DecoderLM from a folder through the whole demo (routing, grouped GEMMs,
+  expert gradients under jax.grad): the ratio is exactly 1, the stock path's is not."""
+  cfg = models.DecoderConfig(model_type="qwen3_moe", vocab_size=300, hidden_size=64,
+                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, qk_norm=True, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32)
+  folder = str(tmp_path / "moe")
+  models.save_pretrained(models.DecoderLM(cfg, rngs=nnx.Rngs(0)), folder)
+  rc, rows, _ = _run_demo(tmp_path, "--no-plot", model=f"hf:{folder}", steps=2)
+  assert rc == 0
+  _assert_exactly_on_policy(rows)
+  lines = capsys.readouterr().out.splitlines()
+  assert "DecoderLM qwen3_moe, 2 layers" in lines[1]
+  assert "ratio was exactly 1" in lines[-1]
+
+
 def test_stock_twin_shares_the_parameters(hf_folder):
   """The stock path is the same module with implementation="xla" on the same arrays (no
   second set of weights), and in step after the demo's update."""
