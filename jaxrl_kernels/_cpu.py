@@ -34,7 +34,7 @@ from jaxrl_kernels._backend import cdiv
 from jaxrl_kernels.contract import CPU_ROW_BLOCK
 
 __all__ = ["CPU_ROW_BLOCK", "cdiv", "dot_f32", "from_storage", "guard", "opaque_zero",
-           "pad_rows", "storage_dtype", "sum_to_match", "to_storage", "tree_sum_last",
+           "pad_rows", "storage_dtype", "sum_to_match", "to_storage", "tree_sum", "tree_sum_last",
            "varying_like"]
 
 
@@ -174,3 +174,15 @@ def tree_sum_last(x: jax.Array) -> jax.Array:
     width //= 2
     x = x[..., :width] + x[..., width:2 * width]
   return x[..., 0]
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis as a pairwise tree of elementwise adds (zero-padded to a power
+  of two, then :func:`tree_sum_last`). XLA picks a reduction's summation order from the
+  whole shape (batch and sequence length included); elementwise adds of fixed slices keep
+  one order for every shape, so a row's sum is the same bits wherever the row is."""
+  n = x.shape[-1]
+  width = 1 << max(0, (n - 1).bit_length())
+  if width != n:
+    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+  return tree_sum_last(x)

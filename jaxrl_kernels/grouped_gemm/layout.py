@@ -49,6 +49,19 @@ def num_tiles(assignments: int, num_experts: int) -> int:
   return cdiv(assignments, GROUPED_GEMM_BLOCK_M) + min(num_experts, assignments)
 
 
+def group_ranks(ids: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]:
+  """``(counts [num_groups], rank [A])`` of int32 ``ids [A]``: how many ids each group has,
+  and each id's place among its group's in ascending order (a stable sort and exclusive
+  sums: exact and deterministic). Ids ``>= num_groups`` are counted nowhere; their rank
+  is meaningless."""
+  a = ids.shape[0]
+  counts = jnp.zeros((num_groups,), jnp.int32).at[ids].add(1, mode="drop")
+  order = jnp.argsort(ids, stable=True)
+  begin = jnp.cumsum(counts) - counts
+  rank_sorted = jnp.arange(a, dtype=jnp.int32) - begin[jnp.minimum(ids[order], num_groups - 1)]
+  return counts, jnp.zeros((a,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+
+
 def group_layout(expert_ids: jax.Array, num_experts: int,
                  valid: jax.Array | None = None) -> GroupLayout:
   """The layout of ``expert_ids`` (int ``[A]``, each in ``[0, num_experts)``).
@@ -67,18 +80,13 @@ def group_layout(expert_ids: jax.Array, num_experts: int,
   ids = expert_ids.astype(jnp.int32)
   if valid is not None:
     ids = jnp.where(valid, ids, num_experts)  # sorted after every expert, counted nowhere
-  counts = jnp.zeros((num_experts,), jnp.int32).at[ids].add(1, mode="drop")
+  counts, rank = group_ranks(ids, num_experts)
   tile_count = (counts + bm - 1) // bm
   tile_end = jnp.cumsum(tile_count)
   tile_start = tile_end - tile_count
-  order = jnp.argsort(ids, stable=True)
-  sorted_ids = ids[order]
-  group_begin = jnp.cumsum(counts) - counts
-  clamped = jnp.minimum(sorted_ids, num_experts - 1)
-  rank = jnp.arange(a, dtype=jnp.int32) - group_begin[clamped]
   n_tiles = num_tiles(a, num_experts)
-  row = jnp.where(sorted_ids < num_experts, tile_start[clamped] * bm + rank, n_tiles * bm)
-  dest = jnp.zeros((a,), jnp.int32).at[order].set(row, unique_indices=True)
+  clamped = jnp.minimum(ids, num_experts - 1)
+  dest = jnp.where(ids < num_experts, tile_start[clamped] * bm + rank, n_tiles * bm)
   tiles = jnp.arange(n_tiles, dtype=jnp.int32)
   tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tiles, side="right"), num_experts - 1)
   return GroupLayout(dest, tile_expert.astype(jnp.int32), tile_start, tile_count)

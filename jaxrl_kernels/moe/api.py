@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels._cpu import guard, opaque_zero
+from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.gemm import det_matmul
 from jaxrl_kernels.grouped_gemm import api as grouped_api
 from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul
-from jaxrl_kernels.moe.routing import fixed_sum, route
+from jaxrl_kernels.grouped_gemm.layout import group_ranks
+from jaxrl_kernels.moe.routing import route
 
 
 class MoEOutput(NamedTuple):
@@ -78,7 +79,7 @@ def _combine_bwd(res, g):
   g = g.astype(jnp.float32)
   # d weights[t, j] = <g[t], yp[dest[t, j]]>: a fixed tree over the features (autodiff
   # would leave it to XLA's row reduction, whose order follows the batch).
-  dweights = jnp.stack([fixed_sum(guard(g * yp[dest[:, j]].astype(jnp.float32), zero))
+  dweights = jnp.stack([tree_sum(guard(g * yp[dest[:, j]].astype(jnp.float32), zero))
                         for j in range(dest.shape[1])], axis=-1)
   dyp = jnp.zeros(yp.shape, jnp.float32)
   for j in range(dest.shape[1]):
@@ -171,12 +172,7 @@ def _exchange(x2, experts, gate_up, down, axis, ep, impl):
   local = gate_up.shape[0]
   flat = experts.reshape(-1)
   owner = flat // local
-  order = jnp.argsort(owner, stable=True)
-  counts = jnp.zeros((ep,), jnp.int32).at[owner].add(1)
-  begin = jnp.cumsum(counts) - counts
-  slot_sorted = jnp.arange(a, dtype=jnp.int32) - begin[owner[order]]
-  slot = jnp.zeros((a,), jnp.int32).at[order].set(slot_sorted, unique_indices=True)
-  send_pos = owner * a + slot
+  send_pos = owner * a + group_ranks(owner, ep)[1]
   send_x = _dispatch(x2, send_pos.reshape(t, k), ep * a).reshape(ep, a, -1)
   send_e = jnp.full((ep * a,), -1, jnp.int32).at[send_pos].set(flat % local).reshape(ep, a)
   recv_x = lax.all_to_all(send_x, axis, 0, 0).reshape(ep * a, -1)

@@ -22,18 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum_last
+from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.pallas.softmax_partials import exp_arith
 from jaxrl_kernels.reduce import det_sum
-
-
-def fixed_sum(x: jax.Array) -> jax.Array:
-  """Sum over the last axis as a fixed tree (zero-padded to a power of two)."""
-  e = x.shape[-1]
-  width = 1 << max(e - 1, 0).bit_length()
-  if width != e:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - e)])
-  return tree_sum_last(x)
 
 
 @jax.custom_vjp
@@ -51,7 +42,7 @@ def router_probs(logits: jax.Array) -> jax.Array:
   x = logits
   zero = opaque_zero(x)
   e = exp_arith(x - jnp.max(x, axis=-1, keepdims=True), sep=lambda v: guard(v, zero))
-  return e / fixed_sum(e)[..., None]
+  return e / tree_sum(e)[..., None]
 
 
 def _probs_fwd(logits):
@@ -63,7 +54,7 @@ def _probs_bwd(p, g):
   zero = opaque_zero(p)
   gp = guard(g.astype(jnp.float32) * p, zero)
   # d logits = p * (g - sum_j g_j p_j), the sum the same fixed tree as the forward's.
-  return (guard(p * (g - fixed_sum(gp)[..., None]), zero),)
+  return (guard(p * (g - tree_sum(gp)[..., None]), zero),)
 
 
 router_probs.defvjp(_probs_fwd, _probs_bwd)
@@ -91,11 +82,9 @@ def route(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax
   experts, chosen = [], []
   for _ in range(k):
     idx = jnp.argmax(left, axis=-1).astype(jnp.int32)  # the first maximum: lowest index
-    hit = iota == idx[..., None]
-    # Exactly one nonzero term per row: the sum is the chosen probability, exactly.
-    chosen.append(fixed_sum(jnp.where(hit, probs, 0.0)))
+    chosen.append(jnp.take_along_axis(probs, idx[..., None], axis=-1)[..., 0])
     experts.append(idx)
-    left = jnp.where(hit, -jnp.inf, left)
+    left = jnp.where(iota == idx[..., None], -jnp.inf, left)
   if normalize:
     total = chosen[0]
     for c in chosen[1:]:
@@ -133,7 +122,7 @@ def router_z_loss(logits: jax.Array, mask: jax.Array | None = None, *,
   x = logits.astype(jnp.float32)
   m = jnp.max(x, axis=-1)
   zero = opaque_zero(x)
-  lse = m + jnp.log(fixed_sum(exp_arith(x - m[..., None], sep=lambda v: guard(v, zero))))
+  lse = m + jnp.log(tree_sum(exp_arith(x - m[..., None], sep=lambda v: guard(v, zero))))
   w = jnp.ones(lse.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
   return det_sum(lse * lse * w, implementation=implementation) / det_sum(
       w, implementation=implementation)

@@ -31,26 +31,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_kernels import _backend, _validation
-from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum_last
+from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.gemm.row_parallel import pairwise_tree
 from jaxrl_kernels.reduce import det_sum
 
 # The one dispatch table: implementation name -> what runs (_backend.RowOpBackend; the
 # backward is the float32 formula under JAX's autodiff for every implementation).
 BACKENDS: dict[str, _backend.RowOpBackend] = _backend.row_op_backends()
-
-
-def tree_sum(x: jax.Array) -> jax.Array:
-  """Sum over the last axis as a pairwise tree of elementwise adds (zero-padded to a power
-  of two, then :func:`jaxrl_kernels._cpu.tree_sum_last`). XLA picks a reduction's summation
-  order from the whole shape (batch and sequence length included); elementwise adds of fixed
-  slices keep one order for every shape, so a row's sum is the same bits wherever the row
-  is."""
-  n = x.shape[-1]
-  width = 1 << max(0, (n - 1).bit_length())
-  if width != n:
-    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
-  return tree_sum_last(x)
 
 
 def _formula(x, weight, eps: float, stock: bool):

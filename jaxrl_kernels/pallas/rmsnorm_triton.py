@@ -12,7 +12,7 @@ ops ``x + row_parallel_matmul(...)`` give (element-wise IEEE adds, the same oper
 
 The order of the sum of squares: the row, zero-padded to the power of two ``W >= N``, is
 folded in halves (``x[:W/2] + x[W/2:]``, then again, down to one value): the order of
-``nn.norm.tree_sum``, fixed by ``N`` alone. A program holds ``block_rows`` whole
+``_cpu.tree_sum``, fixed by ``N`` alone. A program holds ``block_rows`` whole
 rows, ``block_rows`` is a function of ``N`` only, so every call of a given ``N`` and dtype
 compiles to one program (only the grid and the row-count mask differ) and a row's bits do
 not depend on the number of rows, its position or its neighbours. Both variants run the

@@ -15,8 +15,8 @@ from flax import nnx
 from helpers import assert_bitwise_equal, rel_err
 
 from jaxrl_kernels import models
+from jaxrl_kernels._cpu import tree_sum
 from jaxrl_kernels.gemm import row_parallel as row_parallel_module
-from jaxrl_kernels.nn.norm import tree_sum
 from jaxrl_kernels.nn.sampler import sample, score
 
 V, H, FF, L = 160, 64, 96, 2  # V not a multiple of the 128-wide vocab tile
