@@ -49,9 +49,12 @@ from jaxrl_kernels.cli.grpo_demo import stock_twin
 SYSTEM = "Answer with the number only."
 
 
-def make_tiny_folder(path: str, *, seed: int = 0) -> str:
-  """A tiny random Qwen2-style model and a word-level tokenizer (digits, the task's words and
-  ChatML tokens) in ``path``: the example runs without a download."""
+def make_tiny_folder(path: str, *, seed: int = 0, preset: str | None = None,
+                     dtype: str = "float32") -> str:
+  """A random model and a word-level tokenizer (digits, the task's words and ChatML tokens)
+  in ``path``: the example runs without a download. The model is tiny (Qwen2-style), or a
+  ``models.preset`` at its full shape (the tokenizer then has one word per id of its
+  vocabulary)."""
   from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415 - the [text] extra
   from tokenizers import decoders, pre_tokenizers
   from tokenizers.models import WordLevel
@@ -59,6 +62,9 @@ def make_tiny_folder(path: str, *, seed: int = 0) -> str:
   words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]", "system", "user",
            "assistant", "What", "is", "+", "?", "=", "Answer", "with", "the", "number",
            "only", ".", "\n"] + [str(i) for i in range(100)]
+  if preset is not None:  # one word per id of the preset's vocabulary: every id decodes
+    vocab = models.config(preset).vocab_size
+    words += [f"<extra_{i}>" for i in range(vocab - len(words))]
   tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                pre_tokenizers.Punctuation()])
@@ -72,9 +78,12 @@ def make_tiny_folder(path: str, *, seed: int = 0) -> str:
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
     json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "chat_template": template}, f)
-  model = models.preset("qwen2.5-0.5b", seed, "float32", num_hidden_layers=2, hidden_size=64,
-                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=len(words))
+  if preset is None:
+    model = models.preset("qwen2.5-0.5b", seed, dtype, num_hidden_layers=2, hidden_size=64,
+                          intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=len(words))
+  else:
+    model = models.preset(preset, seed, dtype)
   models.save_pretrained(model, path)
   return path
 
@@ -231,6 +240,9 @@ def main(argv=None) -> int:
   p.add_argument("--model", help="a local Hugging Face folder (config.json, *.safetensors, "
                                  "tokenizer.json)")
   p.add_argument("--tiny-folder", help="write a tiny random model + tokenizer here and use it")
+  p.add_argument("--preset", help="with --tiny-folder: a models.preset name (e.g. "
+                                  "qwen2.5-0.5b) at its full shape instead of the tiny model")
+  p.add_argument("--dtype", default="float32", help="with --tiny-folder: the weights' dtype")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--group", type=int, default=4)
@@ -242,7 +254,10 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   if args.tiny_folder:
-    args.model = make_tiny_folder(args.tiny_folder, seed=args.seed)
+    args.model = make_tiny_folder(args.tiny_folder, seed=args.seed, preset=args.preset,
+                                  dtype=args.dtype)
+  elif args.preset:
+    p.error("--preset needs --tiny-folder (the folder to write the random model to)")
   if not args.model:
     p.error("--model or --tiny-folder is required")
   history = run(args)

@@ -18,6 +18,7 @@ from jaxrl_kernels.gemm import cpu as gemm_cpu
 from jaxrl_kernels.linear_logp import cpu as linear_logp_cpu
 from jaxrl_kernels.pallas import (
   attention_mosaic,
+  attention_mosaic_bwd,
   attention_triton,
   gemm_mosaic,
   gemm_triton,
@@ -278,3 +279,39 @@ def test_no_kernel_defines_its_own_contract_constant():
             f"(or list it in NOT_CONTRACT with why it fixes no bit)")
   for rel, name in NOT_CONTRACT:  # the list stays true
     assert name in dict(_module_int_literals(rel)), f"{rel}: {name} is gone"
+
+
+# The backward's reduction steps: not part of the cross-layout contract (gradients are
+# deterministic run to run; docs/CONTRACT.md), but they fix the gradients' bits, which the
+# golden digests record. Pinned here so that a change is seen on the CPU too, not only by
+# the GPU digests: the attention dQ key step, dK/dV query step and range split (Triton, by
+# dtype and head dim; Mosaic), and the LM head backward's vocab chunk, dH vocab step and
+# dW token step (by compute dtype; interpret mode).
+GRADIENT_STEPS = {
+    ("attention_triton", "bfloat16", 64): (64, 64, 2048),
+    ("attention_triton", "bfloat16", 128): (32, 64, 4096),
+    ("attention_triton", "float32", 64): (32, 64, 2048),
+    ("attention_triton", "float32", 128): (32, 64, 2048),
+    ("attention_mosaic_bwd",): (64, 64),
+    ("linear_logp_bwd", "bfloat16", False): (4096, 64, 64),
+    ("linear_logp_bwd", "float32", False): (4096, 32, 32),
+    ("linear_logp_bwd", "bfloat16", True): (512, 128, 32),
+    ("linear_logp_bwd", "float32", True): (512, 128, 32),
+}
+
+
+def _gradient_steps(key):
+  if key[0] == "attention_triton":
+    c = attention_triton.default_backward_config(jnp.dtype(key[1]), key[2])
+    return (c.dq_block_k, c.dkv_block_q, c.dkv_split_rows)
+  if key[0] == "attention_mosaic_bwd":
+    return (attention_mosaic_bwd.BWD_BLOCK_K, attention_mosaic_bwd.BWD_BLOCK_Q)
+  c = linear_logp_bwd.default_config(jnp.dtype(key[1]), interpret=key[2])
+  return (c.chunk, c.dh_block_v, c.dw_block_t)
+
+
+def test_gradient_steps_are_pinned():
+  """The backward kernels' reduction steps are today's (GRADIENT_STEPS says which): changing
+  one changes gradient bits, so the golden digests and this table change together."""
+  got = {key: _gradient_steps(key) for key in GRADIENT_STEPS}
+  assert got == GRADIENT_STEPS

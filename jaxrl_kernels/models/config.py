@@ -17,6 +17,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxrl_kernels.nn.rotary import rope_frequencies
+
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 #: The mixture-of-experts model types (their MLPs are ``moe.moe_mlp`` layers).
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -230,9 +232,7 @@ class DecoderConfig:
   def inv_freq(self) -> np.ndarray:
     """float32 ``[head_dim / 2]`` rotary frequencies, computed as ``transformers`` does:
     ``1 / theta ** (arange(0, d, 2) / d)`` in float32, then the ``llama3`` rescaling."""
-    d = self.head_dim
-    exps = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv = np.float32(1.0) / (np.float32(self.rope_theta) ** exps)
+    inv = rope_frequencies(self.rope_theta, self.head_dim)
     if self.rope_scaling is None:
       return inv.astype(np.float32)
     _, factor, low, high, old_len = self.rope_scaling

@@ -68,7 +68,6 @@ from flax import nnx
 from jax import lax
 
 from jaxrl_kernels import _backend, contract
-from jaxrl_kernels._cpu import guard, opaque_zero
 from jaxrl_kernels._validation import as_temperature
 from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.gemm import (
@@ -82,76 +81,26 @@ from jaxrl_kernels.models.config import DecoderConfig, parse_dtype
 from jaxrl_kernels.moe import load_balancing_loss, moe_mlp
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
-from jaxrl_kernels.nn.norm import add_rms_norm, rms_norm
+from jaxrl_kernels.nn.norm import RMSNorm
 from jaxrl_kernels.nn.protocol import (
   Documents,
   KVCache,
+  check_decode_token,
   check_prefill,
   check_token_ids,
   documents,
   embed_ids,
+  finish_decode,
   is_traced,
 )
+from jaxrl_kernels.nn.rotary import rope
 
 _INIT_STD = 0.02  # transformers' initializer_range default, for random (preset) weights
-
-
-class RMSNorm(nnx.Module):
-  """RMSNorm: ``(weight * x32 * rsqrt(mean(x32^2) + eps)).astype(dtype)``, in float32.
-
-  :func:`jaxrl_kernels.nn.rms_norm` (the mean of squares is :func:`tree_sum` ``/ n``,
-  ``jnp.mean`` on the stock path; one kernel on a GPU). ``transformers`` rounds the
-  normalised ``x`` to the activation dtype before the weight multiply; here there is one
-  rounding, at the end: XLA may drop an intermediate rounding in one fusion and keep it in
-  another (``xla_allow_excess_precision``), which would make decode and prefill differ in
-  bf16. In float32 the two are the same. ``x [..., n]`` -> the same shape and dtype.
-  """
-
-  def __init__(self, dim: int, *, eps: float, param_dtype, implementation: str | None,
-               axis_name: str = "embed"):
-    self.eps = eps
-    self.implementation = implementation
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-    self.weight.set_metadata(logical_axes=(axis_name,))
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return rms_norm(x, self.weight[...], eps=self.eps, implementation=self.implementation)
-
-  def add(self, x: jax.Array, partials: jax.Array, bias: jax.Array | None
-          ) -> tuple[jax.Array, jax.Array]:
-    """``(x', norm(x'))`` with ``x' = x + round(tree(partials) + bias)``: bitwise
-    ``x + row_linear(...)`` and this norm of it, in one pass (:func:`nn.add_rms_norm`)."""
-    return add_rms_norm(x, partials, self.weight[...], eps=self.eps, bias=bias,
-                        implementation=self.implementation)
 
 
 @functools.cache
 def _inv_freq(config: DecoderConfig) -> np.ndarray:
   return config.inv_freq()
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *,
-         guarded: bool = True) -> jax.Array:
-  """``transformers``' rotary embedding of ``x [B, T, heads, d]`` at ``positions [B, T]``.
-
-  ``angle = position * inv_freq`` in float32, ``x cos + rotate_half(x) sin``
-  (``rotate_half([x1, x2]) = [-x2, x1]``) in float32 with one rounding to
-  ``x``'s dtype at the end (``transformers`` rounds ``cos``/``sin`` and each
-  product to the activation dtype; one rounding keeps the bits independent of
-  XLA's fusion, see :class:`RMSNorm`). Elementwise: the same bits for a token
-  wherever it is computed. ``guarded`` keeps the two products out of their sum's
-  FMA (``_cpu.guard``; the stock path passes False).
-  """
-  ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-  emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-  x32 = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  a, b = x32 * jnp.cos(emb), rotated * jnp.sin(emb)
-  if guarded:
-    zero = opaque_zero(x32)
-    a, b = guard(a, zero), guard(b, zero)
-  return (a + b).astype(x.dtype)
 
 
 def pack_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> np.ndarray:
@@ -888,11 +837,7 @@ class DecoderLM(nnx.Module):
     :meth:`decode_weights` of this model (the same bits, forward only).
     """
     v = self.config.vocab_size
-    token = check_token_ids("DecoderLM.decode_step", "token", token, v)
-    b = cache.lengths.shape[0]
-    if token.shape != (b,):
-      raise ValueError(f"DecoderLM.decode_step: token must have shape ({b},), got "
-                       f"{token.shape}")
+    token = check_decode_token("DecoderLM.decode_step", token, cache, v)
     lengths = cache.lengths
     x = embed_ids(self.embed_tokens, token[:, None], v)
     keys, values = [], []
@@ -907,9 +852,7 @@ class DecoderLM(nnx.Module):
       keys.append(ck)
       values.append(cv)
     h = (self.norm(x) if pending is None else self.norm.add(x, *pending)[1])[:, 0]
-    full = lengths >= cache.max_len
-    h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
-    return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))
+    return finish_decode(h, cache, keys, values)
 
 
 _jit_call = nnx.jit(DecoderLM.__call__, static_argnames=("max_docs",))

@@ -47,7 +47,12 @@ from jaxrl_kernels import _compat
 from jaxrl_kernels.linear_logp import LogitStats, padded_vocab_size, vocab_parallel_linear_logp
 from jaxrl_kernels.linear_logp import api as linear_logp_api
 from jaxrl_kernels.models.decoder import DecoderLM, MoEMLP, RowParallelLinear
-from jaxrl_kernels.nn.protocol import KVCache, check_prefill, check_token_ids
+from jaxrl_kernels.nn.protocol import (
+  KVCache,
+  check_decode_token,
+  check_prefill,
+  check_token_ids,
+)
 from jaxrl_kernels.reduce.segment import take_rows
 
 #: Logical axes (the ``logical_axes`` metadata of ``DecoderLM``'s parameters) split over tp.
@@ -653,11 +658,8 @@ class ShardedDecoderLM(nnx.Module):
 
   def decode_step(self, token: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """``DecoderLM.decode_step`` on every device's rows and kv heads."""
-    token = check_token_ids(f"{_OP}.decode_step", "token", token,
-                            self.decoder.config.vocab_size)
-    b = cache.lengths.shape[0]
-    if token.shape != (b,):
-      raise ValueError(f"{_OP}.decode_step: token must have shape ({b},), got {token.shape}")
+    token = check_decode_token(f"{_OP}.decode_step", token, cache,
+                               self.decoder.config.vocab_size)
     return self._run(lambda m, t, c: m.decode_step(t, c), (token, cache),
                      (self.plan.batch_spec(1), self._cache_specs()),
                      (self.plan.batch_spec(2), self._cache_specs()))

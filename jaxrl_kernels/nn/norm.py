@@ -20,6 +20,9 @@ batch-invariant). The backward does not differentiate
 ``tree_sum``: its slices and adds are element-wise, so XLA would fuse them into every
 consumer, and the weight gradient's column reduction would recompute each row's tree once
 per column.
+
+:class:`RMSNorm` is the Flax NNX module over them (a ``weight`` parameter), used by every
+model of the package.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from jaxrl_kernels import _backend, _validation
@@ -238,3 +242,32 @@ def add_rms_norm(x: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: f
     x = _residual(x, partials, bias)
     return x, _formula(x, weight, eps, stock=True)
   return _add_rms_norm(x, partials, weight, bias, eps, impl, c)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm: ``(weight * x32 * rsqrt(mean(x32^2) + eps)).astype(dtype)``, in float32.
+
+  :func:`jaxrl_kernels.nn.rms_norm` (the mean of squares is :func:`tree_sum` ``/ n``,
+  ``jnp.mean`` on the stock path; one kernel on a GPU). ``transformers`` rounds the
+  normalised ``x`` to the activation dtype before the weight multiply; here there is one
+  rounding, at the end: XLA may drop an intermediate rounding in one fusion and keep it in
+  another (``xla_allow_excess_precision``), which would make decode and prefill differ in
+  bf16. In float32 the two are the same. ``x [..., n]`` -> the same shape and dtype.
+  """
+
+  def __init__(self, dim: int, *, eps: float, param_dtype, implementation: str | None,
+               axis_name: str = "embed"):
+    self.eps = eps
+    self.implementation = implementation
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.weight.set_metadata(logical_axes=(axis_name,))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.weight[...], eps=self.eps, implementation=self.implementation)
+
+  def add(self, x: jax.Array, partials: jax.Array, bias: jax.Array | None
+          ) -> tuple[jax.Array, jax.Array]:
+    """``(x', norm(x'))`` with ``x' = x + round(tree(partials) + bias)``: bitwise
+    ``x + row_linear(...)`` and this norm of it, in one pass (:func:`nn.add_rms_norm`)."""
+    return add_rms_norm(x, partials, self.weight[...], eps=self.eps, bias=bias,
+                        implementation=self.implementation)

@@ -229,6 +229,26 @@ def check_token_ids(op: str, name: str, ids, vocab_size: int, mask=None) -> jax.
   return ids
 
 
+def check_decode_token(op: str, token, cache: KVCache, vocab_size: int) -> jax.Array:
+  """A decode step's ``token``: int32 ids in ``[0, vocab_size)`` (:func:`check_token_ids`)
+  of shape ``[B]``, one per cache row (ValueError naming ``token`` otherwise)."""
+  token = check_token_ids(op, "token", token, vocab_size)
+  b = cache.lengths.shape[0]
+  if token.shape != (b,):
+    raise ValueError(f"{op}: token must have shape ({b},), got {token.shape}")
+  return token
+
+
+def finish_decode(h: jax.Array, cache: KVCache, keys, values) -> tuple[jax.Array, KVCache]:
+  """A decode step's result: ``(h [B, H], cache)`` with the new ``keys``/``values`` and
+  ``lengths + 1``; a row whose cache was full (``lengths == max_len``: it wrote nothing)
+  keeps its length and gets a NaN hidden state."""
+  lengths = cache.lengths
+  full = lengths >= cache.max_len
+  h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
+  return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))
+
+
 def embed_ids(embed, ids: jax.Array, vocab_size: int) -> jax.Array:
   """``embed(ids)`` where ``ids`` lie in ``[0, vocab_size)``, NaN rows elsewhere: a traced
   out-of-range id never gives a finite (wrapped, zero or clamped) embedding, the same with

@@ -9,8 +9,9 @@ at one batch size, or a training forward over padded / packed rows at another):
 
 * weight products run on ``det_matmul`` (``DetLinear``) and the head on
   ``linear_logp``: a row's bits do not depend on the other rows;
-* RMSNorm's sum of squares is a written-out left-to-right fold (``_fold_add``),
-  rotary is elementwise from the integer position: the same function of the
+* RMSNorm is :class:`jaxrl_kernels.nn.norm.RMSNorm` (a fixed tree over the row, the
+  models' norm), rotary is :func:`jaxrl_kernels.nn.rotary.rope` (the models' rotary),
+  elementwise from the integer position: the same function of the
   token's own values in every path;
 * attention walks key tiles aligned to position 0 of the sequence, so a query
   at position ``p`` depends only on its own ``q`` and keys ``0..p``. The
@@ -37,11 +38,18 @@ from jax import lax
 from jaxrl_kernels.attention import causal_attention
 from jaxrl_kernels.nn.linear import DetLinear
 from jaxrl_kernels.nn.lm_head import LMHead
+from jaxrl_kernels.nn.norm import RMSNorm
 from jaxrl_kernels.nn.protocol import Documents as Documents
 from jaxrl_kernels.nn.protocol import KVCache as KVCache
+from jaxrl_kernels.nn.protocol import (
+  check_decode_token,
+  check_token_ids,
+  embed_ids,
+  finish_decode,
+)
 from jaxrl_kernels.nn.protocol import check_prefill as check_prefill
-from jaxrl_kernels.nn.protocol import check_token_ids, embed_ids
 from jaxrl_kernels.nn.protocol import documents as documents
+from jaxrl_kernels.nn.rotary import rope, rope_frequencies
 
 IMPLEMENTATIONS = (None, "triton", "interpret", "xla")
 
@@ -102,58 +110,6 @@ class TinyLMConfig:
     return cls(**{**presets[name], **overrides})
 
 
-class RMSNorm(nnx.Module):
-  """``y = x / sqrt(mean(x^2) + eps) * scale``, in float32, per row of ``[..., H]``.
-
-  The sum of squares is a strict left-to-right fold over H (:func:`_fold`),
-  so a row's bits do not depend on the shape it is computed in. With
-  ``implementation="xla"`` it is ``jnp.mean`` (the stock path; XLA picks its
-  summation order by shape).
-  """
-
-  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32,
-               implementation: str | None = None):
-    self.eps = eps
-    self.implementation = implementation
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    if self.implementation == "xla":
-      ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    else:
-      ms = (_fold_add(x32 * x32, axis=-1) / jnp.float32(x.shape[-1]))[..., None]
-    y = x32 * lax.rsqrt(ms + jnp.float32(self.eps)) * self.scale[...].astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
-def rotary(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-  """Rotate-half rotary embedding of ``x [B, T, heads, d]`` at ``positions [B, T]``
-  (float32, elementwise: the same bits for a token wherever it is computed)."""
-  d = x.shape[-1]
-  inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  ang = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, d/2]
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _fold(op, x: jax.Array, axis: int) -> jax.Array:
-  """``op``-reduces ``axis`` strictly left to right. Elementwise ops only: XLA's
-  CPU reductions and dots pick their summation order by the whole shape (so by
-  the batch and the sequence length); a written-out fold does not."""
-  xs = jnp.moveaxis(x, axis, 0)
-  out = xs[0]
-  for i in range(1, xs.shape[0]):
-    out = op(out, xs[i])
-  return out
-
-
-def _fold_add(x: jax.Array, axis: int) -> jax.Array:
-  return _fold(jnp.add, x, axis)
-
-
 class Block(nnx.Module):
   """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -175,7 +131,10 @@ class Block(nnx.Module):
     b, t, _ = x.shape
     nh, hd = cfg.num_heads, cfg.hidden // cfg.num_heads
     q, k, v = jnp.split(self.qkv(self.attn_norm(x)).reshape(b, t, 3 * nh, hd), 3, axis=2)
-    return rotary(q, positions, cfg.rope_base), rotary(k, positions, cfg.rope_base), v
+    inv_freq = rope_frequencies(cfg.rope_base, hd)
+    guarded = cfg.implementation != "xla"
+    return (rope(q, positions, inv_freq, guarded=guarded),
+            rope(k, positions, inv_freq, guarded=guarded), v)
 
   def _attend(self, q, k, v, **kw):
     return causal_attention(q, k, v, implementation=self.cfg.implementation, **kw)
@@ -346,11 +305,7 @@ class TinyCausalLM(nnx.Module):
     full (``lengths[b] == max_len``) writes nothing, keeps its length and gets a
     NaN hidden state (size the cache for prompt + completion: ``sample`` does).
     """
-    token = check_token_ids("TinyCausalLM.decode_step", "token", token, self.config.vocab_size)
-    b = cache.lengths.shape[0]
-    if token.shape != (b,):
-      raise ValueError(f"TinyCausalLM.decode_step: token must have shape ({b},), got "
-                       f"{token.shape}")
+    token = check_decode_token("TinyCausalLM.decode_step", token, cache, self.config.vocab_size)
     lengths = cache.lengths
     x = embed_ids(self.embed, token[:, None], self.config.vocab_size)
     keys, values = [], []
@@ -359,6 +314,4 @@ class TinyCausalLM(nnx.Module):
       keys.append(ck)
       values.append(cv)
     h = self.final_norm(x)[:, 0]
-    full = lengths >= cache.max_len
-    h = jnp.where(full[:, None], jnp.full((), jnp.nan, h.dtype), h)
-    return h, KVCache(tuple(keys), tuple(values), jnp.where(full, lengths, lengths + 1))
+    return finish_decode(h, cache, keys, values)

@@ -50,10 +50,10 @@ def test_mismatches_are_listed_and_nothing_changes(tmp_path):
     checkpoint.load_params(other, tmp_path / "p.safetensors")
   assert np.array_equal(np.asarray(other.blocks[0].up.kernel[...]), before)
   arrays = checkpoint.load_safetensors(tmp_path / "p.safetensors")
-  arrays.pop("final_norm.scale")
+  arrays.pop("final_norm.weight")
   arrays["extra.w"] = np.zeros(2, np.float32)
   checkpoint.save_safetensors(arrays, tmp_path / "q.safetensors")
-  with pytest.raises(ValueError, match=r"missing: \['final_norm.scale'\].*unexpected: "
+  with pytest.raises(ValueError, match=r"missing: \['final_norm.weight'\].*unexpected: "
                                        r"\['extra.w'\]"):
     checkpoint.load_params(src, tmp_path / "q.safetensors")
   with pytest.raises(FileNotFoundError):
