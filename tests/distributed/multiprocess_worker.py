@@ -123,7 +123,65 @@ def _logp(model, tokens, targets):
   return nnx.jit(lambda m, t, g: m.logp(t, g))(model, tokens, targets)
 
 
-CASES = {"kernels": kernels_case, "model": model_case}
+def moe_case(mesh) -> dict[str, np.ndarray]:
+  """Mixture of experts across processes: the MoE layer with its experts split over ``tp``
+  (expert parallelism: the tokens' all-to-all crosses processes), its output and gradients;
+  a two-layer ``qwen3_moe`` ``DecoderLM`` sharded TP = tp x DP = dp (experts over tp), its
+  per-token log-probs; and both unsharded on one device of this process."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxrl_kernels import _compat, models
+  from jaxrl_kernels.moe import moe_mlp
+
+  h, e, ffn, k, t = 32, 8, 16, 2, 16
+  rng = np.random.default_rng(2)
+  x = (rng.standard_normal((t, h)) * 2.0 ** rng.integers(-6, 7, (t, 1))).astype(np.float32)
+  router = (rng.standard_normal((h, e)) * 0.3).astype(np.float32)
+  gate_up = (rng.standard_normal((e, h, 2 * ffn)) * 0.1).astype(np.float32)
+  down = (rng.standard_normal((e, ffn, h)) * 0.1).astype(np.float32)
+  g = rng.standard_normal((t, h)).astype(np.float32)
+
+  impl = "cpu" if jax.default_backend() == "cpu" else "triton"
+
+  def layer(axis):
+    return lambda x, r, gu, d: moe_mlp(x, r, gu, d, k=k, normalize=True, implementation=impl,
+                                       expert_axis=axis).y
+
+  def loss(f):
+    return lambda *a: jnp.sum(f(*a) * g)
+
+  specs = (P("tp"), P(), P("tp"), P("tp"))
+  ep = _compat.shard_map(layer("tp"), mesh=mesh, in_specs=specs, out_specs=P("tp"),
+                         check_vma=False)
+  args = [_placed(a, mesh, s) for a, s in zip((x, router, gate_up, down), specs, strict=True)]
+  out = {"layer_y": gather(jax.jit(ep)(*args))}
+  grads = jax.jit(jax.grad(loss(ep), argnums=(0, 2, 3)))(*args)
+  out |= {f"layer_d{n}": gather(v) for n, v in zip(("x", "gate_up", "down"), grads, strict=True)}
+  one = layer(None)
+  local = [jnp.asarray(a) for a in (x, router, gate_up, down)]
+  out["layer_y_unsharded"] = np.asarray(jax.jit(one)(*local))
+  grads = jax.jit(jax.grad(loss(one), argnums=(0, 2, 3)))(*local)
+  out |= {f"layer_d{n}_unsharded": np.asarray(v)
+          for n, v in zip(("x", "gate_up", "down"), grads, strict=True)}
+
+  cfg = models.DecoderConfig(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=2 * HIDDEN,
+                             intermediate_size=4 * HIDDEN, num_hidden_layers=2,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                             num_experts=e, num_experts_per_tok=k, moe_intermediate_size=ffn)
+  model = models.DecoderLM(cfg, rngs=nnx.Rngs(0))
+  tokens = rng.integers(0, VOCAB, (4, 12)).astype(np.int32)
+  targets = np.roll(tokens, -1, axis=1)
+  sharded = models.shard(model, models.Parallelism(mesh, tp="tp", dp="dp"))
+  batch = P("dp", None)
+  out["model_logp"] = gather(_logp(sharded, _placed(tokens, mesh, batch),
+                                   _placed(targets, mesh, batch)))
+  out["model_logp_unsharded"] = np.asarray(_logp(model, jnp.asarray(tokens),
+                                                 jnp.asarray(targets)))
+  return out
+
+
+CASES = {"kernels": kernels_case, "model": model_case, "moe": moe_case}
 
 
 def main(argv: list[str] | None = None) -> int:

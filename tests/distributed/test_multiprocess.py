@@ -24,7 +24,7 @@ from jaxrl_kernels import distributed
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-CASES = "kernels,model"
+CASES = "kernels,model,moe"
 
 
 def _worker_cmd(process_id: int, num_processes: int, port: int, *, local_devices: int | None,
@@ -145,6 +145,18 @@ def test_sharded_model_across_two_processes_is_bitwise(two_processes, one_proces
   assert_bitwise_equal(two_processes["model/logp_unsharded"], one_process["model/logp_unsharded"],
                        "unsharded model")
   assert_bitwise_equal(multi, one_process["model/logp_unsharded"], "TP=2 x DP=2 vs unsharded")
+
+
+def test_mixture_of_experts_across_two_processes_is_bitwise(two_processes, one_process):
+  # Expert parallelism with the experts' all-to-all across processes (the MoE layer, EP = 2
+  # over tp, output and gradients), and a qwen3_moe model sharded TP = 2 x DP = 2 (experts
+  # over tp): bitwise one process with the same mesh, and the unsharded layer and model.
+  for name in ("layer_y", "layer_dx", "layer_dgate_up", "layer_ddown", "model_logp"):
+    multi, single = two_processes[f"moe/{name}"], one_process[f"moe/{name}"]
+    assert_bitwise_equal(multi, single, f"{name}: 2 processes vs 1")
+    assert_bitwise_equal(multi, one_process[f"moe/{name}_unsharded"], f"{name} vs unsharded")
+    assert_bitwise_equal(two_processes[f"moe/{name}_unsharded"],
+                         one_process[f"moe/{name}_unsharded"], f"{name} unsharded")
 
 
 @pytest.mark.slow
