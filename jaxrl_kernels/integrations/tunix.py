@@ -9,11 +9,11 @@ engine's sampler, the actor's training step (inside the policy loss), the refere
 (for the KL) and, with ``num_iterations > 1``, the rollout model again (the old policy).
 Stock Tunix computes the last three with ``tunix.rl.common.compute_per_token_logps`` (the
 model's ``[B, T, V]`` logits and an XLA log-softmax) and the first in its sampler's decode
-loop: programs of other shapes, so other bits. Its GRPO loss then takes the trainer's own
-log-probs (under ``stop_gradient``) as the old policy's, so its ratio is 1 by construction
-and the sampler's numbers are never compared with the trainer's. Here all four go through
-the same ``DecoderLM`` kernels (``nn.sample``; the model's forward and its fused LM head),
-and the ratio is taken against the sampler's own log-probs:
+loop: programs of other shapes, so other bits. With ``num_iterations=1`` its GRPO loss takes
+the trainer's own log-probs (under ``stop_gradient``) as the old policy's, so its ratio is 1
+by construction and the sampler's numbers are never compared with the trainer's. Here all
+four go through the same ``DecoderLM`` kernels (``nn.sample``; the model's forward and its
+fused LM head), and the ratio is taken against the sampler's own log-probs:
 
 * :class:`DecoderRollout`: Tunix's ``BaseRollout`` over :func:`jaxrl_kernels.nn.sample`;
   pass the class as ``ClusterConfig(rollout_engine=DecoderRollout)``.

@@ -151,7 +151,7 @@ def test_stock_tunix_sampler_and_trainer_disagree():
   """The control: stock Tunix on a tiny Tunix Qwen3 (float32, CPU). Its VanillaRollout
   sampler reports log-probs from its decode loop; its GRPO loss recomputes them with
   ``tunix.rl.common.compute_per_token_logps`` (logits of the full sequence and an XLA
-  log-softmax). On completions that hold no pad id the two differ in the last bits of most
+  log-softmax). On completions that hold no pad id the two differ in the last bits of many
   tokens (rounding: other programs, other reduction orders). On a completion where the
   sampler drew the pad id, Tunix's trainer also drops that token from the context of the
   tokens after it (its positions and attention mask come from ``ids != pad``), a
