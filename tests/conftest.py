@@ -68,10 +68,21 @@ def _platform() -> str:
     return "none"
 
 
+def slow_in_ci() -> frozenset[str]:
+  """The node ids of tests/slow_in_ci.txt (comments and blank lines left out)."""
+  path = os.path.join(os.path.dirname(__file__), "slow_in_ci.txt")
+  with open(path) as f:
+    return frozenset(ln.strip() for ln in f if ln.strip() and not ln.startswith("#"))
+
+
+_SLOW_IN_CI = slow_in_ci()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   """``hopper`` implies ``gpu`` (so ``-m gpu`` selects it); each skips with a reason where
-  its device is missing. Runs before ``-m`` deselects."""
+  its device is missing; the tests named in tests/slow_in_ci.txt are marked ``slow``. Runs
+  before ``-m`` deselects."""
   on_gpu = _platform() == "gpu"
   on_hopper = on_gpu and _backend.is_hopper()
   no_gpu = pytest.mark.skip(reason=f"needs a CUDA GPU; JAX's default backend here is "
@@ -79,6 +90,8 @@ def pytest_collection_modifyitems(config, items):
   no_hopper = pytest.mark.skip(reason=f"needs a Hopper GPU (sm_90); this machine has "
                                       f"{_backend.compute_capability() or _platform()}")
   for item in items:
+    if item.nodeid in _SLOW_IN_CI:
+      item.add_marker(pytest.mark.slow)
     if "hopper" in item.keywords:
       item.add_marker(pytest.mark.gpu)
       if not on_hopper:
