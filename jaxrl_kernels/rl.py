@@ -812,6 +812,9 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
       ``linear_logp`` (not ``"xla"``).
     targets: ``[..., T]`` the sampled token ids.
     config: the backward's :class:`~jaxrl_kernels.linear_logp.BackwardConfig` or None.
+      ``BackwardConfig(passes=3)``: ``objective="ppo"`` runs the three-GEMM head (the
+      logits once per token chunk; the per-token gradient of this loss, whose weights come
+      from the mask and the counts before the pass); ``"gspo"`` keeps the four-GEMM head.
     Other arguments: as in :func:`policy_loss`.
 
   Returns:
