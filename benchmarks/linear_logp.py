@@ -30,7 +30,9 @@ The policy loss (rows for a kernel implementation ``X``, e.g.
 ``rl.policy_loss(linear_logp(..., return_entropy=True))``
 (PPO clip, k3 KL to a reference, entropy bonus 0.01; its gradient through ``linear_logp``'s
 backward), ``ppofused-X`` is ``rl.linear_policy_loss``, the same loss with the head's
-gradient formed in the forward pass. "fwd" is the loss without a gradient.
+gradient formed in the forward pass, ``ppofused3-X`` the same on the three-GEMM head
+(``BackwardConfig(passes=3)``: the logits once per token chunk; ``ppofused3-X:token_chunk=512``
+sets the chunk). "fwd" is the loss without a gradient.
 
 Reference rows, each in its own process of the same run:
 
@@ -50,6 +52,7 @@ Reference rows, each in its own process of the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -190,9 +193,15 @@ def _policy_op(spec):
 
   fused, impl = spec.split("-", 1)
   kw = dict(beta=0.04, entropy_coef=0.01)
-  if fused == "ppofused":
+  if fused in ("ppofused", "ppofused3"):
+    impl, config = _config(impl)
+    if fused == "ppofused3":
+      from jaxrl_kernels.linear_logp import BackwardConfig
+
+      config = dataclasses.replace(config or BackwardConfig(), passes=3)
     return lambda h, w, tg, old, ref, adv: jk.rl.linear_policy_loss(
-        h, w, tg, old_logp=old, ref_logp=ref, advantages=adv, implementation=impl, **kw)[0]
+        h, w, tg, old_logp=old, ref_logp=ref, advantages=adv, implementation=impl,
+        config=config, **kw)[0]
 
   def unfused(h, w, tg, old, ref, adv):
     lp, ent = jk.linear_logp(h, w, tg, return_entropy=True, implementation=impl)
@@ -230,7 +239,7 @@ def _measure(impl: str, t: int, v: int) -> dict:
     return _measure_torch(impl, t, v)
   if impl == "cublas":
     return _measure_cublas(t, v)
-  if impl.startswith(("ppo-", "ppofused-")):
+  if impl.startswith(("ppo-", "ppofused-", "ppofused3-")):
     return _measure_policy(impl, t, v)
   from _timing import device_ms
 

@@ -41,6 +41,11 @@ LOGITS_BLOCK_H_INTERPRET = 64
 # reduction's partial accumulators by the array's rows per thread, so this
 # height fixes the reduction tree of every row's partials.
 EPI_ROWS = 64
+# Token rows per dW product of the three-GEMM fused objective (linear_logp/three_gemm.py):
+# dW = ((0 + P_0) + P_1) + ..., P_b = h_b^T dz_b the float32 product of token rows
+# [b B, (b + 1) B) from zero, b ascending. The token chunk (a free knob) is a multiple of
+# it, so dW's bits do not depend on the chunk.
+OBJECTIVE_DW_TOKEN_BLOCK = 256
 
 # --- tensor parallel
 # K chunks of a row-parallel GEMM (o_proj, down_proj; gemm/row_parallel.py): K is cut

@@ -383,20 +383,30 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, *
   denominator = _denominator(fn, denominator)
   adv = _per_token(fn, advantages, shape, "advantages", active)
   log_ratio = _log_ratio(a["logp"], a["old_logp"], active)
-  ratio = jnp.exp(_clamp(log_ratio))
-  pg1 = -adv * ratio
-  pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-  pg = jnp.maximum(pg1, pg2)
+  pg, pg1, pg2, dual = _ppo_terms(log_ratio, adv, clip_low, clip_high, dual_clip)
   metrics = {"clipfrac": masked_mean(pg2 > pg1, active, axis_names=axis_names)}
   if dual_clip is not None:
-    pg3 = -adv * dual_clip
-    dual = (adv < 0) & (pg > pg3)
-    pg = jnp.where(dual, pg3, pg)
     metrics["dual_clipfrac"] = masked_mean(dual, active, axis_names=axis_names)
   loss = _reduce_tokens(pg, active, token_level=token_level, axis_names=axis_names,
                         denominator=denominator)
   metrics.update(_ratio_metrics(log_ratio, active, axis_names))
   return loss, metrics
+
+
+def _ppo_terms(log_ratio, adv, clip_low, clip_high, dual_clip):
+  """Per token: the clipped surrogate ``pg``, its two sides and the dual-clip selection
+  (None without ``dual_clip``). Element-wise: :func:`linear_policy_loss`'s three-GEMM
+  path differentiates it token by token."""
+  ratio = jnp.exp(_clamp(log_ratio))
+  pg1 = -adv * ratio
+  pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  pg = jnp.maximum(pg1, pg2)
+  dual = None
+  if dual_clip is not None:
+    pg3 = -adv * dual_clip
+    dual = (adv < 0) & (pg > pg3)
+    pg = jnp.where(dual, pg3, pg)
+  return pg, pg1, pg2, dual
 
 
 def _ratio_metrics(log_ratio, active, axis_names) -> Metrics:
@@ -707,6 +717,64 @@ def _policy_objective(logp, entropy, operands, cfg):
   return policy_loss(logp, kw.pop("old_logp"), kw.pop("advantages"), entropy=entropy, **kw)
 
 
+def _token_weights(active, *, token_level: bool, axis_names: AxisNames, denominator):
+  """``w_t = d _reduce_tokens(x) / d x_t``, known before any log-prob: ``1 / N`` (token
+  level) or ``(1 / N_seq) / n_row`` (sequence level), 0 at masked tokens."""
+  if token_level:
+    d = (jnp.asarray(denominator, jnp.float32) if denominator is not None
+         else jnp.maximum(masked_count(active, axis_names=axis_names), 1.0))
+    return jnp.where(active, 1.0 / d, 0.0)
+  n_row = masked_count(active, axis=-1)
+  d = (jnp.asarray(denominator, jnp.float32) if denominator is not None
+       else jnp.maximum(masked_count(n_row > 0, axis_names=axis_names), 1.0))
+  w_row = (1.0 / d) / jnp.maximum(n_row, 1.0)
+  return jnp.where(active, w_row[..., None], 0.0)
+
+
+_TOKEN_HYPER = ("beta", "entropy_coef", "clip_low", "clip_high", "dual_clip")
+
+
+def _policy_token_operands(fn, shape, *, mask, old_logp, advantages, ref_logp, token_level,
+                           axis_names, denominator, hyper):
+  """The per-token values :func:`_policy_token_grad` reads, from the inputs alone."""
+  active = _mask(fn, mask, shape)
+  ops = {"active": active,
+         "old_logp": _real(fn, "old_logp", old_logp),
+         "advantages": _per_token(fn, advantages, shape, "advantages", active),
+         "weight": _token_weights(active, token_level=token_level, axis_names=axis_names,
+                                  denominator=_denominator(fn, denominator))}
+  if ref_logp is not None:
+    ops["ref_logp"] = _real(fn, "ref_logp", ref_logp)
+  ops.update({k: v for k, v in hyper.items() if k in _TOKEN_HYPER})
+  return ops
+
+
+def _policy_token_grad(logp, entropy, ops, cfg):
+  """``(g_logp, g_ent)`` of the ``"ppo"`` :func:`policy_loss` per token: the gradient of
+  ``sum_t w_t (pg_t + beta kl_t - c_ent H_t)``, element-wise (``linear_objective``'s
+  ``token_grad``; ``ops`` from :func:`_policy_token_operands`, ``cfg`` the static
+  hyper-parameters)."""
+  kw = dict(cfg)
+  kw.update({k: v for k, v in ops.items() if k in _TOKEN_HYPER})
+  active, w = ops["active"], ops["weight"]
+  clip_low = 0.2 if kw["clip_low"] is None else kw["clip_low"]
+  clip_high = 0.2 if kw["clip_high"] is None else kw["clip_high"]
+  beta, entropy_coef = kw["beta"], kw["entropy_coef"]
+
+  def loss(lp, en):
+    log_ratio = _log_ratio(lp, ops["old_logp"], active)
+    pg = _ppo_terms(log_ratio, ops["advantages"], clip_low, clip_high, kw["dual_clip"])[0]
+    x = w * pg
+    if "ref_logp" in ops and not _is_zero(beta):
+      x = x + beta * (w * kl(lp, ops["ref_logp"], mask=active, kind=kw["kl_kind"]))
+    if not _is_zero(entropy_coef):
+      x = x - entropy_coef * (w * jnp.where(active, en, jnp.zeros((), en.dtype)))
+    return jnp.sum(x)
+
+  _, vjp = jax.vjp(loss, logp, entropy)
+  return vjp(jnp.ones((), jnp.float32))
+
+
 @_keyword_mask
 def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *,
                        old_logp: jax.Array, advantages: jax.Array,
@@ -744,6 +812,9 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
       ``linear_logp`` (not ``"xla"``).
     targets: ``[..., T]`` the sampled token ids.
     config: the backward's :class:`~jaxrl_kernels.linear_logp.BackwardConfig` or None.
+      ``BackwardConfig(passes=3)``: ``objective="ppo"`` runs the three-GEMM head (the
+      logits once per token chunk; the per-token gradient of this loss, whose weights come
+      from the mask and the counts before the pass); ``"gspo"`` keeps the four-GEMM head.
     Other arguments: as in :func:`policy_loss`.
 
   Returns:
@@ -770,11 +841,19 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
     hash(cfg)
   except TypeError as e:
     raise TypeError(f"{fn}: hyper-parameters must be numbers, strings or arrays: {e}") from None
+  token_grad = token_ops = None
+  if objective == "ppo" and getattr(config, "passes", None) == 3:
+    # A token-level objective: the three-GEMM head (linear_objective's token_grad).
+    token_grad = _policy_token_grad
+    token_ops = _policy_token_operands(
+        fn, tuple(jnp.shape(targets)), mask=mask, old_logp=old_logp, advantages=advantages,
+        ref_logp=ref_logp, token_level=token_level, axis_names=axis_names,
+        denominator=denominator, hyper={k: v for k, v in hyper.items() if k in operands})
   loss, metrics, logp, ent = linear_objective(
       hidden, weight, targets, _policy_objective, operands, cfg=cfg,
       entropy_grad=not _is_zero(entropy_coef), bias=bias, temperature=temperature, mask=mask,
       weight_layout=weight_layout, fp32_head=fp32_head, implementation=implementation,
-      config=config)
+      config=config, token_grad=token_grad, token_operands=token_ops)
   metrics = dict(metrics)
   metrics["logp"] = logp
   metrics["entropy"] = ent

@@ -22,6 +22,7 @@ from flax import nnx
 import jaxrl_kernels as jk
 from jaxrl_kernels import models
 from jaxrl_kernels.grouped_gemm import group_layout
+from jaxrl_kernels.linear_logp import BackwardConfig
 from jaxrl_kernels.nn.norm import rms_norm
 
 CPU_IMPLEMENTATIONS = ("cpu", "interpret")
@@ -145,7 +146,7 @@ def rl_objective(impl, dtype):
   return {"loss": value, "dlogp": grad}
 
 
-def linear_policy_loss(impl, dtype):
+def linear_policy_loss(impl, dtype, config=None):
   """The policy loss fused into the head: loss, per-token logp/entropy, dH, dW."""
   rng = np.random.default_rng(10)
   h, w = _wide(rng, (2, 23, 128), dtype), _plain(rng, (128, 640), dtype, 0.05)
@@ -157,10 +158,17 @@ def linear_policy_loss(impl, dtype):
   def f(h, w):
     return jk.rl.linear_policy_loss(h, w, t, old_logp=old, advantages=adv, mask=mask,
                                     ref_logp=old, beta=0.04, entropy_coef=0.01,
-                                    temperature=0.7, implementation=impl)
+                                    temperature=0.7, implementation=impl, config=config)
 
   (loss, m), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)
   return {"loss": loss, "logp": m["logp"], "entropy": m["entropy"], "dh": dh, "dw": dw}
+
+
+def linear_policy_loss_3gemm(impl, dtype):
+  """The same loss on the three-GEMM head (``BackwardConfig(passes=3)``): its logp and
+  entropy digests equal ``linear_policy_loss``'s; dH and dW are its own bits (dH one product
+  over the vocabulary, dW in ``OBJECTIVE_DW_TOKEN_BLOCK`` token blocks)."""
+  return linear_policy_loss(impl, dtype, BackwardConfig(passes=3))
 
 
 def grouped_matmul(impl, dtype):
@@ -221,6 +229,8 @@ CASES = {
     "decoder_logp": (decoder_logp, ("cpu", "interpret", "triton", "mosaic")),
     "rl": (rl_objective, ("cpu",)),
     "linear_policy_loss": (linear_policy_loss, ("cpu", "interpret", "triton", "mosaic")),
+    # GPU digests to record on the next GPU run (tests/golden_update.py there).
+    "linear_policy_loss_3gemm": (linear_policy_loss_3gemm, ("cpu", "interpret")),
     "cpu_tiles": (cpu_tiles, ("cpu", "interpret")),
     "grouped_matmul": (grouped_matmul, ("cpu", "interpret", "triton")),
     "moe_mlp": (moe_layer, ("cpu", "interpret", "triton")),

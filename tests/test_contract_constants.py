@@ -16,6 +16,7 @@ from jaxrl_kernels.attention import cpu as attention_cpu
 from jaxrl_kernels.custom_calls import gemm_ffi
 from jaxrl_kernels.gemm import cpu as gemm_cpu
 from jaxrl_kernels.linear_logp import cpu as linear_logp_cpu
+from jaxrl_kernels.linear_logp import three_gemm
 from jaxrl_kernels.pallas import (
   attention_mosaic,
   attention_mosaic_bwd,
@@ -42,6 +43,7 @@ TODAY = {
     "LOGITS_BLOCK_H_TRITON": {"bfloat16": 64, "float16": 64, "float32": 32},
     "LOGITS_BLOCK_H_INTERPRET": 64,
     "EPI_ROWS": 64,
+    "OBJECTIVE_DW_TOKEN_BLOCK": 256,
     "ROW_PARALLEL_CHUNKS": 8,
     "ATTENTION_TRITON_BLOCK_Q": 64,
     "ATTENTION_TRITON_KEY_TILE": 64,
@@ -68,6 +70,7 @@ USES = {
     "linear_logp/cpu.py": {"CPU_ROW_BLOCK", "CPU_VOCAB_CHUNK", "VOCAB_TILE"},
     "linear_logp/api.py": {"VOCAB_TILE"},
     "linear_logp/logits.py": {"VOCAB_TILE"},
+    "linear_logp/three_gemm.py": {"OBJECTIVE_DW_TOKEN_BLOCK"},
     "attention/__init__.py": {"ATTENTION_TRITON_BLOCK_Q", "ATTENTION_TRITON_KEY_TILE"},
     "attention/cpu.py": {"CPU_ATTENTION_BLOCK_Q", "CPU_ATTENTION_KEY_TILE"},
     "reduce/api.py": {"REDUCE_LANES"},
@@ -205,6 +208,9 @@ def test_kernels_use_the_contract_values():
     assert "VOCAB_TILE = fwd.VOCAB_TILE" in text, mod.__name__
   assert (linear_logp_mosaic.TILE_K, linear_logp_mosaic.EPI_ROWS) == (
       contract.GEMM_TILE_K, contract.EPI_ROWS)
+  # The three-GEMM objective: dW's token block, and a default token chunk made of them.
+  assert three_gemm.DW_TOKEN_BLOCK == contract.OBJECTIVE_DW_TOKEN_BLOCK
+  assert three_gemm.DEFAULT_TOKEN_CHUNK % contract.OBJECTIVE_DW_TOKEN_BLOCK == 0
   # The "cpu" implementation: row and column blocks, vocab chunk, attention tiles.
   assert _cpu.CPU_ROW_BLOCK == contract.CPU_ROW_BLOCK
   assert (gemm_cpu.CPU_ROW_BLOCK, gemm_cpu.CPU_COL_BLOCK) == (

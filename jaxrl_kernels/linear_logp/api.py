@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import _backend, _validation, contract
-from jaxrl_kernels.linear_logp import cpu, gemm_backward, xla
+from jaxrl_kernels.linear_logp import cpu, gemm_backward, three_gemm, xla
 from jaxrl_kernels.linear_logp.config import BackwardConfig
 from jaxrl_kernels.pallas import linear_logp_bwd, linear_logp_fwd, linear_logp_mosaic
 from jaxrl_kernels.pallas import lm_head_logits as pallas_logits
@@ -55,6 +55,10 @@ class Backend:
       compute_dtype) -> (tokens, token_logits, (m, s, u))``, a token per row drawn in the
       logits kernel (``pallas.draw``) with ``logits``' statistics, or None (the draw then
       runs on the stored logits).
+    dlogits: ``(z, lse, mean_z, g_logp, g_ent, targets, *, inv_temperature, entropy) ->
+      dz``, the backward's logit gradient of stored float32 logits (from ``logits``): the
+      three-GEMM objective (``three_gemm.py``) runs on ``logits``, ``merge_partials`` and
+      it; None where the implementation has none.
   """
 
   name: str
@@ -64,6 +68,7 @@ class Backend:
   logits: Callable
   partials_from_logits: Callable | None = None
   logits_draw: Callable | None = None
+  dlogits: Callable | None = None
 
 
 def _pallas_backward(*args, gemm: str, interpret: bool, default_kernel: str,
@@ -98,7 +103,8 @@ def _triton_backend(name: str, interpret: bool) -> Backend:
                                  default_kernel="fused"),
       logits=functools.partial(pallas_logits.logits, interpret=interpret),
       partials_from_logits=functools.partial(pallas_logits.partials_from_logits,
-                                             interpret=interpret))
+                                             interpret=interpret),
+      dlogits=three_gemm.dlogits)
 
 
 _MOSAIC = Backend(
@@ -111,7 +117,8 @@ _MOSAIC = Backend(
     logits=linear_logp_mosaic.logits,
     partials_from_logits=lambda z, t, *, compute_dtype: linear_logp_mosaic.partials_from_logits(
         z, t),
-    logits_draw=linear_logp_mosaic.logits_draw)
+    logits_draw=linear_logp_mosaic.logits_draw,
+    dlogits=three_gemm.dlogits)
 
 
 def _cpu_backend() -> Backend:
@@ -121,7 +128,7 @@ def _cpu_backend() -> Backend:
 
   return Backend(name="cpu", tile_partials=_reduces_entropy(cpu.tile_partials),
                  merge_partials=cpu.merge_partials, backward=backward, logits=cpu.logits,
-                 partials_from_logits=cpu.partials_from_logits)
+                 partials_from_logits=cpu.partials_from_logits, dlogits=cpu.dlogits)
 
 
 def _no_partials(*args, **kwargs):

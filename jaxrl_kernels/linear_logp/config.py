@@ -12,6 +12,7 @@ import dataclasses
 from jaxrl_kernels import contract
 
 KERNELS = ("gemm", "fused")
+PASSES = (3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,16 @@ class BackwardConfig:
       epilogue, in place.
     fuse_dz: ``"gemm"`` on Mosaic: compute the logit gradient in the logits
       GEMM's epilogue.
+    passes: ``linear_objective`` (``rl.linear_policy_loss``) only: ``4`` (None, the
+      default) runs the head's forward kernels and then its backward (the logits GEMM
+      twice); ``3`` runs the three-GEMM path where the objective gives per-token
+      cotangents (``token_grad``): per token chunk, the logits once, their statistics,
+      the cotangents, dz, dH and dW (:mod:`jaxrl_kernels.linear_logp.three_gemm`).
+      Other objectives (GSPO) run the four-GEMM path. ``linear_logp`` ignores it (its
+      cotangents arrive after its forward).
+    token_chunk: ``passes=3``: tokens per chunk, a multiple of
+      ``contract.OBJECTIVE_DW_TOKEN_BLOCK`` (None: that block, 256); bounds the float32
+      ``[token_chunk, V]`` logits and the ``[token_chunk, V]`` dz. Changes no bit.
   """
 
   kernel: str | None = None
@@ -42,12 +53,14 @@ class BackwardConfig:
   dh_rows: int = 8192
   accumulate: bool = True
   fuse_dz: bool = True
+  passes: int | None = None
+  token_chunk: int | None = None
 
   def __post_init__(self):
     if self.kernel is not None and self.kernel not in KERNELS:
       raise ValueError(f"BackwardConfig: kernel must be one of {KERNELS} or None, got "
                        f"{self.kernel!r}")
-    for name in ("chunk", "dh_rows"):
+    for name in ("chunk", "dh_rows", "token_chunk"):
       value = getattr(self, name)
       if value is None:
         continue
@@ -56,6 +69,14 @@ class BackwardConfig:
     if self.chunk is not None and self.chunk % contract.VOCAB_TILE:
       raise ValueError(f"BackwardConfig: chunk must be a multiple of VOCAB_TILE="
                        f"{contract.VOCAB_TILE}, got {self.chunk}")
+    if self.passes is not None and (isinstance(self.passes, bool)
+                                    or self.passes not in PASSES):
+      raise ValueError(f"BackwardConfig: passes must be one of {PASSES} or None, got "
+                       f"{self.passes!r}")
+    if self.token_chunk is not None and self.token_chunk % contract.OBJECTIVE_DW_TOKEN_BLOCK:
+      raise ValueError(f"BackwardConfig: token_chunk must be a multiple of "
+                       f"OBJECTIVE_DW_TOKEN_BLOCK={contract.OBJECTIVE_DW_TOKEN_BLOCK}, got "
+                       f"{self.token_chunk}")
     for name in ("accumulate", "fuse_dz"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"BackwardConfig: {name} must be a bool, got {getattr(self, name)!r}")

@@ -424,6 +424,23 @@ def _dlogits(z, ok, lse, mean_z, g_logp, g_ent, lt, active, inv_temperature, zer
   return jnp.where(ok[None, :] & active[:, None], dz, 0.0)
 
 
+def dlogits(z: jax.Array, lse: jax.Array, mean_z: jax.Array, g_logp: jax.Array,
+            g_ent: jax.Array, targets: jax.Array, *, inv_temperature=None,
+            entropy: bool = True) -> jax.Array:
+  """:func:`backward`'s logit gradient (the same guarded code) of stored float32 logits
+  ``z [rows, V]`` from :func:`logits`: for the three-GEMM objective
+  (``linear_logp/three_gemm.py``). ``inv_temperature``: None (1) or the float32
+  ``1 / temperature``. Rows whose cotangents are both 0 give exact zeros."""
+  del entropy  # the entropy term is kept (g_ent = 0 makes it zero)
+  zero = opaque_zero(z)
+  g_logp = jnp.asarray(g_logp, jnp.float32)
+  g_ent = jnp.asarray(g_ent, jnp.float32)
+  inv_t = jnp.float32(1.0) if inv_temperature is None else inv_temperature
+  ok = jnp.ones((z.shape[1],), bool)
+  active = (g_logp != 0) | (g_ent != 0)
+  return _dlogits(z, ok, lse, mean_z, g_logp, g_ent, targets, active, inv_t, zero)
+
+
 def backward(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, targets: jax.Array,
              lse: jax.Array, mean_z: jax.Array, g_logp: jax.Array, g_ent: jax.Array, *,
              layout: str, temperature, compute_dtype, vocab_offset: int = 0,

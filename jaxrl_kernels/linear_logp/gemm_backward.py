@@ -38,7 +38,7 @@ from jaxrl_kernels.pallas import linear_logp_bwd as bwd
 from jaxrl_kernels.pallas import softmax_partials as sp
 
 
-def _product_implementation(gemm: str, n: int, k: int, dtype) -> str:
+def product_implementation(gemm: str, n: int, k: int, dtype) -> str:
   """The GEMM kernel of one ``[M, K] x [K, N]`` product: ``gemm`` where it takes the
   weight's N and K (never decided by M), else its fallback (Mosaic: Triton)."""
   be = gemm_backend(gemm)
@@ -86,7 +86,7 @@ def backward(hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, *, layou
   has_bias = bias is not None
 
   def mm(lhs, rhs, *, n, k, **kw):
-    return matmul2d(lhs, rhs, implementation=_product_implementation(gemm, n, k, compute_dtype),
+    return matmul2d(lhs, rhs, implementation=product_implementation(gemm, n, k, compute_dtype),
                     **kw)
 
   # Chunk widths: ``chunk`` and the tail; the fused epilogues need every

@@ -27,6 +27,16 @@ stored gradients are tagged ``jax.ad_checkpoint.checkpoint_name(..., "linear_obj
 so that a ``jax.checkpoint`` policy can keep them instead of running the head again
 (``jax.checkpoint_policies.save_only_these_names("linear_objective")``).
 
+**Three GEMMs** (``config=BackwardConfig(passes=3)`` with a ``token_grad``): for a token-level
+objective, whose cotangent at token ``t`` is a function of token ``t``'s ``logp`` and
+``entropy`` and of values known before the pass (``token_operands``: advantages, old
+log-probs, per-token weights such as ``1 / N`` of a global count), steps 1 to 3 run per token
+chunk with the logits computed once (:mod:`jaxrl_kernels.linear_logp.three_gemm`): the chunk's
+logits GEMM, their statistics (``logp`` and ``entropy`` bitwise ``linear_logp``'s), the
+cotangents by ``token_grad``, dz, the dH and dW GEMMs. The loss and ``aux`` are then
+``objective`` of all the tokens' values, as on the four-GEMM path. An objective without a
+``token_grad`` (a sequence-level one, GSPO) runs the four-GEMM path whatever ``passes`` says.
+
 The returned ``logp``, ``entropy`` and ``aux`` carry no gradient (they are metrics):
 differentiate through :func:`~jaxrl_kernels.linear_logp.linear_logp` to use them in another
 loss.
@@ -45,7 +55,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_kernels import _validation
-from jaxrl_kernels.linear_logp import api
+from jaxrl_kernels.linear_logp import api, three_gemm
 from jaxrl_kernels.linear_logp.config import BackwardConfig
 
 _OP = "linear_objective"
@@ -61,6 +71,8 @@ class _Static:
   lead: tuple[int, ...]  # the token shape the objective sees (the head works on [T] rows)
   hidden_dtype: str
   bias_dtype: str | None
+  token_grad: Callable | None = None  # set: the three-GEMM path (token-level objective)
+  token_chunk: int = three_gemm.DEFAULT_TOKEN_CHUNK
 
 
 def _losses(logp, ent, operands, st: _Static):
@@ -84,7 +96,7 @@ def _scalar(loss) -> jax.Array:
 
 def _primal(hidden, weight, bias, temp, targets, mask, operands, st: _Static):
   (logp, ent), _ = api._forward(hidden, weight, bias, temp, targets, mask, st.head)
-  loss, aux = st.objective(logp.reshape(st.lead), ent.reshape(st.lead), operands, st.cfg)
+  loss, aux = st.objective(logp.reshape(st.lead), ent.reshape(st.lead), operands[0], st.cfg)
   return _scalar(loss), aux, logp, ent
 
 
@@ -93,9 +105,32 @@ def _fused(hidden, weight, bias, temp, targets, mask, operands, st):
   return _primal(hidden, weight, bias, temp, targets, mask, operands, st)
 
 
+def _three_gemm_fwd(hidden, weight, bias, temp, targets, mask, operands, st: _Static):
+  """The loss and the head's gradients with the logits computed once per token chunk."""
+  ops, token_ops = operands
+
+  def cotangents(logp, ent, token_ops_c, targets_c, active_c):
+    g = st.token_grad(logp, ent, token_ops_c, st.cfg)
+    return api.masked_cotangents(g, targets_c, active_c, st.head.vocab_size)
+
+  logp, ent, dh, dw, db = three_gemm.run(
+      hidden, weight, bias, temp, targets, mask, cotangents, token_ops,
+      implementation=st.head.implementation, layout=st.head.layout,
+      compute_dtype=st.head.compute_dtype, vocab_size=st.head.vocab_size,
+      token_chunk=st.token_chunk, entropy_grad=st.entropy_grad,
+      backend=api.backend(st.head.implementation))
+  loss, aux = st.objective(logp.reshape(st.lead), ent.reshape(st.lead), ops, st.cfg)
+  # One rounding of the float32 accumulator to the weight's dtype, as the GEMM backward's.
+  return (_scalar(loss), aux, logp, ent), (dh, dw.astype(weight.dtype), db)
+
+
 def _fused_fwd(hidden, weight, bias, temp, targets, mask, operands, st):
+  if st.token_grad is not None:
+    out, (dh, dw, db) = _three_gemm_fwd(hidden, weight, bias, temp, targets, mask, operands,
+                                        st)
+    return out, _named(dh, dw, db)
   (logp, ent), (lse, mean_z) = api._forward(hidden, weight, bias, temp, targets, mask, st.head)
-  (loss, aux), (g_logp, g_ent) = _losses(logp, ent, operands, st)
+  (loss, aux), (g_logp, g_ent) = _losses(logp, ent, operands[0], st)
   g_logp, g_ent = api.masked_cotangents((g_logp, g_ent), targets, mask, st.head.vocab_size)
   if not st.entropy_grad:
     g_ent = jnp.zeros_like(g_ent)
@@ -103,10 +138,15 @@ def _fused_fwd(hidden, weight, bias, temp, targets, mask, operands, st):
       hidden, weight, bias, targets, lse, mean_z, g_logp, g_ent, layout=st.head.layout,
       temperature=1.0 if temp is None else temp, compute_dtype=st.head.compute_dtype,
       config=st.head.config, entropy=st.entropy_grad)
+  return (loss, aux, logp, ent), _named(dh, dw, db)
+
+
+def _named(dh, dw, db):
+  """The stored gradients, tagged for ``jax.checkpoint`` policies."""
   dh, dw = checkpoint_name(dh, CHECKPOINT_NAME), checkpoint_name(dw, CHECKPOINT_NAME)
   if db is not None:
     db = checkpoint_name(db, CHECKPOINT_NAME)
-  return (loss, aux, logp, ent), (dh, dw, db)
+  return dh, dw, db
 
 
 def _fused_bwd(st, res, cts):
@@ -129,7 +169,8 @@ def linear_objective(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
                      entropy_grad: bool = True, bias: jax.Array | None = None,
                      temperature: float | jax.Array = 1.0, mask: jax.Array | None = None,
                      weight_layout: str = "hv", fp32_head: bool = False,
-                     implementation: str | None = None, config: BackwardConfig | None = None):
+                     implementation: str | None = None, config: BackwardConfig | None = None,
+                     token_grad: Callable | None = None, token_operands: Any = None):
   """``objective(logp, entropy)`` of an LM head, with the head's gradient formed in the forward.
 
   Args:
@@ -145,6 +186,15 @@ def linear_objective(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
     cfg: hashable static configuration passed to ``objective``.
     entropy_grad: the loss depends on the entropy (False: the backward kernels may leave
       the entropy's term out; the gradient of a loss that does read it is then wrong).
+    token_grad: for a token-level objective, ``token_grad(logp, entropy, token_operands,
+      cfg) -> (g_logp, g_ent)``: the objective's gradient w.r.t. each token's ``logp`` and
+      ``entropy`` (float32 ``[n]`` each, for ``n`` tokens and ``token_operands`` sliced to
+      them), a function of each token's own values. A module-level function (a static
+      argument). With ``config=BackwardConfig(passes=3)`` the head runs three GEMMs
+      (the module docstring); otherwise it is unused. Its values must be the gradient of
+      ``objective``: the loss comes from ``objective``, the head's gradients from it.
+    token_operands: a pytree of arrays of ``targets.shape`` (per token) or scalars, the
+      values ``token_grad`` reads (no gradient flows to them).
 
   Returns:
     ``(loss, aux, logp, entropy)``: the float32 scalar loss (differentiable w.r.t.
@@ -159,16 +209,24 @@ def linear_objective(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
                     f"(loss, aux), got {objective!r}")
   if config is not None and not isinstance(config, BackwardConfig):
     raise TypeError(f"{_OP}: config must be a BackwardConfig or None, got {config!r}")
+  if token_grad is not None and not callable(token_grad):
+    raise TypeError(f"{_OP}: token_grad must be a function (logp, entropy, token_operands, "
+                    f"cfg) -> (g_logp, g_ent) or None, got {token_grad!r}")
   impl = api.resolve(_OP, implementation, x.compute_dtype,
                      supported=api.PARTIAL_IMPLEMENTATIONS)
   lead, t, h2, t2, m2 = api.rows(_OP, x)
   h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
   head = api._Static(weight_layout, x.compute_dtype.name, impl, x.vocab_size, config, True)
+  three = config is not None and config.passes == 3 and token_grad is not None
   st = _Static(head, objective, cfg, bool(entropy_grad), tuple(lead), h2.dtype.name,
-               None if x.bias is None else x.bias.dtype.name)
+               None if x.bias is None else x.bias.dtype.name,
+               token_grad if three else None,
+               (config.token_chunk if three and config.token_chunk
+                else three_gemm.DEFAULT_TOKEN_CHUNK))
+  token_ops = _per_token(token_operands, tuple(lead), t) if three else None
   if t:
     loss, aux, logp, ent = _fused(h2, w, x.bias, api._temperature_arg(x.temperature), t2, m2,
-                                  operands, st)
+                                  (operands, token_ops), st)
   else:
     logp = ent = jnp.zeros((0,), jnp.float32)
     loss, aux = objective(logp.reshape(lead), ent.reshape(lead), operands, cfg)
@@ -176,3 +234,17 @@ def linear_objective(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
   logp = lax.stop_gradient(logp.reshape(lead))
   ent = lax.stop_gradient(ent.reshape(lead))
   return loss, lax.stop_gradient(aux), logp, ent
+
+
+def _per_token(token_operands, lead: tuple[int, ...], t: int):
+  """``token_operands`` with each per-token leaf flattened to ``[T]`` (scalars kept)."""
+  def flat(x):
+    x = jnp.asarray(x)
+    if x.shape == lead:
+      return x.reshape(t)
+    if x.shape == ():
+      return x
+    raise ValueError(f"{_OP}: token_operands leaves must have the shape of targets {lead} "
+                     f"or be scalars, got {x.shape}")
+
+  return jax.tree.map(flat, token_operands)
