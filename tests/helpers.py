@@ -95,3 +95,23 @@ def fuzz(n: int):
   return settings(max_examples=n, deadline=None, derandomize=True, database=None,
                   phases=(Phase.explicit, Phase.generate),
                   suppress_health_check=list(HealthCheck))
+
+
+def assert_sharded_gradients_match(loss, model, sharded, tol: float):
+  """``nnx.grad(loss)`` of a model sharded by ``models.shard`` against the unsharded
+  ``model``: the same parameters, every gradient finite and within ``tol`` (relative) of the
+  unsharded one, and bitwise the same on a second run. Returns the unsharded gradients
+  (a flat ``{path: Variable}``)."""
+  from flax import nnx  # noqa: PLC0415 - the model tests' dependency, not every test's
+
+  grad = nnx.jit(nnx.grad(loss))
+  ref = dict(nnx.to_flat_state(grad(model)))
+  first = dict(nnx.to_flat_state(grad(sharded)))
+  again = dict(nnx.to_flat_state(grad(sharded)))
+  assert {p[1:] for p in first if p[0] == "decoder"} == set(ref)
+  for path, g in ref.items():
+    a = np.asarray(first[("decoder", *path)].get_value())
+    assert np.all(np.isfinite(a)), path
+    assert rel_err(a, g.get_value()) < tol, path
+    assert_bitwise_equal(np.asarray(again[("decoder", *path)].get_value()), a, f"rerun {path}")
+  return ref

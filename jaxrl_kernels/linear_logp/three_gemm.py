@@ -59,18 +59,11 @@ def _pad_rows(x: jax.Array, rows: int, value=0) -> jax.Array:
   return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
-def _token_leaves(operands, t: int, t_pad: int):
-  """The token operands with every ``[T]`` leaf padded to ``[t_pad]``; scalars kept."""
-  def pad(x):
-    x = jnp.asarray(x)
-    if x.shape == ():
-      return x
-    if x.shape != (t,):
-      raise ValueError(f"linear_objective: token_operands leaves must be per token "
-                       f"({t} tokens after flattening) or scalars, got shape {x.shape}")
-    return _pad_rows(x, t_pad, False if x.dtype == jnp.bool_ else 0)
-
-  return jax.tree.map(pad, operands)
+def _token_leaves(operands, t_pad: int):
+  """The token operands (``[T]`` leaves and scalars, as ``objective._per_token`` checked
+  them) with every ``[T]`` leaf padded to ``[t_pad]``."""
+  return jax.tree.map(lambda x: x if x.shape == () else _pad_rows(
+      x, t_pad, False if x.dtype == jnp.bool_ else 0), operands)
 
 
 def _slice_tokens(operands, r0, tc: int):
@@ -107,7 +100,7 @@ def run(hidden, weight, bias, temp, targets, mask, cotangents, token_operands, *
   x = _pad_rows(hidden, t_pad)
   tg = _pad_rows(targets, t_pad)
   act = _pad_rows(active, t_pad, False)
-  ops = _token_leaves(token_operands, t, t_pad)
+  ops = _token_leaves(token_operands, t_pad)
   w = weight.astype(compute_dtype)
   t_arg = 1.0 if temp is None else temp
   inv_t = sp.temperature_operand(t_arg)
