@@ -20,7 +20,7 @@ three alternating rounds). ``--layout vh`` takes a tied embedding's ``[V, H]`` w
 floor is the weight read plus the logits write at ``--hbm`` TB/s (the FLOPs, ``2 T H V``,
 are far below the tensor cores' rate at these T).
 
-    python benchmarks/head_decode.py --out benchmarks/results/head_decode_h100.md
+    python benchmarks/head_decode.py --out benchmarks/results/head_decode.md
     python benchmarks/head_decode.py --rows 1,8 --hidden 64 --vocab 1000 --calls 3   # smoke
 """
 

@@ -17,7 +17,7 @@ recomputation (``nn.score``, packed, another batch size): 0 expected for
 jaxrl_kernels; the stock path's count and max drift are shown next to it.
 
     python benchmarks/rollout.py --preset qwen2.5-0.5b --prompts 64 --prompt-len 512 \\
-        --new-tokens 1024 --out benchmarks/results/rollout_h100.md
+        --new-tokens 1024 --out benchmarks/results/rollout.md
     python benchmarks/rollout.py --preset qwen2.5-0.5b --layers 2 --prompts 4 \\
         --prompt-len 32 --new-tokens 16 --repeats 1     # smoke size
 """

@@ -308,7 +308,7 @@ def main(argv=None) -> int:
   p.add_argument("--presets", default=",".join(PRESETS),
                  help="comma-separated presets whose o_proj/down_proj shapes are measured")
   p.add_argument("--rows", default="64,16384", help="comma-separated M (tokens per call)")
-  p.add_argument("--out", default=None, help="append the markdown tables to this file")
+  p.add_argument("--out", default=None, help="write the markdown tables to this file (overwritten)")
   p.add_argument("--model", default="llama-3.2-1b", choices=sorted(models.PRESETS),
                  help="the whole-model section's preset (several devices only)")
   p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")

@@ -15,7 +15,7 @@ compiled step's memory (``memory_analysis``: arguments + temporaries + outputs
 not aliased to donated inputs), the peak the step needs.
 
     python benchmarks/train_step.py --preset qwen2.5-0.5b --tokens 16384 \\
-        --out benchmarks/results/train_step_h100.md
+        --out benchmarks/results/train_step.md
     python benchmarks/train_step.py --preset qwen2.5-0.5b --layers 2 --tokens 512 \\
         --row-len 256 --repeats 1                       # smoke size
 """

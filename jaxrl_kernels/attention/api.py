@@ -267,7 +267,7 @@ def _grouped_as_rows(q, k, v, q_positions, kv_lengths, st):
   query blocks are full without the fold, and the forward makes no transposed copy;
   neither does either backward: the fold's four copies of ``q``, the output, ``d_out`` and
   ``dq`` are passes over memory the unfolded layout does not make
-  (``benchmarks/results/attention_h100.md``). Same output and ``dq`` bits either way (the
+  (``benchmarks/results/attention.md``). Same output and ``dq`` bits either way (the
   paragraph above); ``dk``/``dv`` sum the group's rows in another order than the folded
   one (the Triton backward head by head, the Mosaic one block by block with the heads
   inner).

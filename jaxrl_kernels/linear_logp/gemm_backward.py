@@ -21,7 +21,7 @@ and ``dz_c`` in the compute dtype (``[T, chunk]`` each), the float32 ``[T, H]``
 dH accumulator; no ``[T, V]`` array. The weight chunk is sliced (copied) per
 step: ``chunk * H`` elements. The defaults (chunk 4096, the dH product blocked
 only past 8192 tokens) are the fastest of the measured settings
-(benchmarks/results/linear_logp_h100.md); none changes a bit.
+(benchmarks/results/linear_logp.md); none changes a bit.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ STAGES = 2
 # choice: gradients are deterministic either way). At D = 128 these kernels take less time
 # than the Triton backward; at D = 64 with grouped heads at the training step's document
 # slots (Qwen2.5-0.5B, Llama-3.2-1B) they take more, most of it in this file's dQ kernel
-# (numbers: benchmarks/results/attention_h100.md).
+# (numbers: benchmarks/results/attention.md).
 BACKWARD_HEAD_DIMS = (128,)
 
 

@@ -110,7 +110,7 @@ def default_backward_config(dtype, d: int) -> BackwardConfig:
   padded to 64 (the models' D = 64), a 64-key dQ step and 3 pipeline stages (fewer
   registers per step at the training step's document slots); at D = 128, dK/dV ranges of
   4096 rows (fewer ranges to walk and merge than with 2048;
-  ``benchmarks/results/attention_h100.md``); the
+  ``benchmarks/results/attention.md``); the
   general default otherwise. Free knobs: they change no forward bit, and the gradients are
   deterministic for either."""
   if jnp.dtype(dtype).itemsize == 2 and padded_head_dim(d) == 64:

@@ -210,7 +210,7 @@ def tile_partials(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
 # The merge is a sequential fold over the vocabulary tiles per row (1187 steps at
 # V = 151936): latency-bound. It loads MERGE_UNROLL tiles ahead of folding them, in 64-row
 # programs, one warp for a single program's rows (a decode step), else four: the loads of
-# the next tiles overlap the fold's latency (benchmarks/results/linear_logp_h100.md).
+# the next tiles overlap the fold's latency (benchmarks/results/linear_logp.md).
 # None of these changes a bit: each row's steps are the same operations in the same order.
 MERGE_UNROLL = 16
 

@@ -73,7 +73,7 @@ def test_temporaries_are_small_at_the_issue_shape():
   fused, xla = temp(IMPL), temp("xla")
   # No [T, V] array: one float32 logits array alone is t * v * 4 bytes (4.6 GiB here), and
   # everything the fused op keeps is an order of magnitude below it. (The issue's 2%-of-XLA
-  # target is a benchmark number: benchmarks/results/linear_logp_h100.md.)
+  # target is a benchmark number: benchmarks/results/linear_logp.md.)
   logits = t * v * 4
   assert fused <= 0.1 * logits, (f"fused temporaries {fused / 2**20:.0f} MiB vs one [T, V] "
                                  f"float32 array {logits / 2**20:.0f} MiB")
