@@ -94,3 +94,10 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
   (contiguous) dimension holds ``minor_elems`` elements of ``itemsize`` bytes."""
   swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def check_num_ctas(where: str, num_ctas) -> None:
+  """Refuses a persistent grid size that is not None or a positive int, by name."""
+  if num_ctas is not None and (not isinstance(num_ctas, int) or isinstance(num_ctas, bool)
+                               or num_ctas < 1):
+    raise ValueError(f"{where}: num_ctas must be None or a positive int, got {num_ctas!r}")

@@ -73,6 +73,7 @@ from jaxrl_kernels._backend import DEFAULT_NUM_SMS, num_sms
 from jaxrl_kernels.pallas._common import (
   LOG2E,
   cdiv,
+  check_num_ctas,
   round_up,
   smem_load,
 )
@@ -138,7 +139,7 @@ def persistent_for(rows: int, items: int) -> bool:
   head) work items runs persistent CTAs by default: a decode step (``rows <= BLOCK_Q``)
   whose items fill more than one wave of CTAs and at most ``PERSISTENT_MAX_WAVES``. There
   one CTA per SM walking the items saves each later item's launch and ring fill
-  (``benchmarks/results/attention_h100.md``); past four waves the saving is negligible
+  (``benchmarks/results/attention.md``); past four waves the saving is negligible
   against the step. A free knob: each item runs its own CTA's instructions
   (``tests/attention/test_attention_mosaic_gpu.py`` compares the two)."""
   return rows <= BLOCK_Q and DEFAULT_NUM_SMS < items <= PERSISTENT_MAX_WAVES * DEFAULT_NUM_SMS
@@ -393,7 +394,8 @@ def smem_bytes(d: int, itemsize: int, *, wgs: int, lanes: int, stages: int) -> i
 
 
 def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None = None,
-            heads_major: bool = False, stages: int | None = None, persistent: bool | None = None):
+            heads_major: bool = False, stages: int | None = None, persistent: bool | None = None,
+            num_ctas: int | None = None):
   """Attention output ``[B, Tq, Hq, D]`` (q's dtype) and base-2 logsumexp ``[B, Hq, Tq]``.
 
   Exactly the contract and residual format of ``attention_triton.forward``:
@@ -406,7 +408,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   ahead changes. So is ``persistent`` (decode steps only, at most ``BLOCK_Q`` rows; default
   :func:`persistent_for`): one CTA per SM walks the (batch entry group, head) items in turn,
   heads fastest, each item the instructions of its own CTA, its ring continuing from the
-  item before.
+  item before. ``num_ctas``: the persistent grid's size (None: one CTA per SM, at most one
+  per item); every item runs the same instructions whichever CTA takes it, so the bits do not
+  depend on it (nor on the GPU's SM count).
 
   ``heads_major``: ``q`` is ``[B, Hq, Tq, D]`` and the output is returned so (the
   logsumexp keeps its layout). A free layout knob: each CTA copies the same rows into
@@ -434,6 +438,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   if persistent is not None and not isinstance(persistent, bool):
     raise ValueError(f"causal_attention(mosaic): persistent must be a bool or None, got "
                      f"{persistent!r}")
+  check_num_ctas("causal_attention(mosaic)", num_ctas)
   if persistent and wgs > 1:
     raise ValueError(f"causal_attention(mosaic): persistent CTAs take decode steps (at most "
                      f"{BLOCK_Q} query rows after the GQA fold), got {tq} rows")
@@ -516,7 +521,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
         scratch, loaded, consumed, schedule, collective_axes="wg")
 
   if persistent:  # one CTA per SM (at most one per item), walking the items heads fastest
-    grid = dict(grid=(min(n_items, num_sms()),), grid_names=("cta",))
+    grid = dict(grid=(min(n_items, num_ctas or num_sms()),), grid_names=("cta",))
   else:
     # The last grid axis is CUDA's x, the fastest in launch order: the heads of one batch
     # entry run side by side, reading the interleaved K/V rows of one cache region.

@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxrl_kernels._backend import DEFAULT_NUM_SMS
 from jaxrl_kernels.pallas import mosaic_loop
 from jaxrl_kernels.pallas._common import (
+  check_num_ctas,
   mosaic_warpgroup_params,
   round_up,
   smem_transforms,
@@ -55,8 +56,10 @@ class Config:
   grid_tile_width: int = 1
   tree_registers: int = 0  # chunk tree levels pending in registers (chunk_tree_matmul)
   tile_k: int = TILE_K  # K columns per pipeline step (a multiple of TILE_K)
+  num_ctas: int | None = None  # persistent grid size (None: one CTA per SM); same bits
 
   def __post_init__(self):
+    check_num_ctas("gemm_mosaic.Config", self.num_ctas)
     if self.tile_k < TILE_K or self.tile_k % TILE_K:
       raise ValueError(f"gemm_mosaic.Config: tile_k ({self.tile_k}) must be a positive multiple "
                        f"of {TILE_K}")
@@ -68,7 +71,7 @@ class Config:
         tile_m=self.tile_m, tile_n=self.tile_n, num_compute_wgs=self.num_compute_wgs,
         wg_split=self.wg_split, max_concurrent_steps=self.max_concurrent_steps,
         grid_minor=self.grid_minor, grid_tile_width=self.grid_tile_width,
-        tree_registers=self.tree_registers, tile_k=self.tile_k)
+        tree_registers=self.tree_registers, tile_k=self.tile_k, num_ctas=self.num_ctas)
 
   @property
   def cta_tile_m(self) -> int:
@@ -239,7 +242,8 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: Config, lhs_transposed: bool,
       group_rows=group_rows, group_cols=group_cols, chunks=chunks)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype,
+                   num_ctas: int | None = None) -> jax.Array:
   """``lhs [G, M, K] @ rhs [G, K, N] -> [G, M, N]`` in one launch (``G`` independent
   products, e.g. the K chunks of ``row_parallel_matmul``).
 
@@ -255,6 +259,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   columns in place (``persistent_matmul``'s ``group_cols``), the same bits with no stacked
   copy. Where Mosaic's 8-row shared-memory tile cannot view ``M`` rows in place (``M``
   above 8 and not a multiple of 8, or 0) the stacked copy is made here instead.
+  ``num_ctas``: the persistent grid's size (``Config.num_ctas``; the same bits).
   """
   n = rhs.shape[2]
   side_by_side = lhs.ndim == 2
@@ -276,7 +281,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype) -> jax.Array:
   # 64 x 128 tiles would give half as many CTAs to stream the weight).
   # Products of a few hundred rows each: the tile whose waves over all G products take the
   # least time (:func:`mid_config`; numbers in benchmarks/results/gemm_h100.md).
-  cfg = default_config(m, n, k, groups=g)
+  cfg = dataclasses.replace(default_config(m, n, k, groups=g), num_ctas=num_ctas)
   cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
   m_pad = max(cfg.cta_tile_m, round_up(m, cfg.cta_tile_m))  # whole CTA tiles, M = 0 too
   why = supported_shape(g * m_pad, n, k, cfg, lhs_transposed=False, rhs_transposed=False)

@@ -93,6 +93,8 @@ class Config:
       read in place where TMA takes them (``mosaic_loop.rows_in_place``): the box reads
       zeros past them, so no padded copy of the rows is made. Otherwise they are
       zero-padded to the CTA tile. The partials and the draw refuse it by name.
+    num_ctas: the persistent grid's size (None: one CTA per SM; ``mosaic_loop.LoopConfig``):
+      the same bits at every size.
   """
 
   tile_m: int = 128
@@ -102,8 +104,10 @@ class Config:
   num_wgs: int = 2
   tile_k: int = TILE_K
   hidden_in_place: bool = False
+  num_ctas: int | None = None
 
   def __post_init__(self):
+    _common.check_num_ctas("linear_logp_mosaic.Config", self.num_ctas)
     if not isinstance(self.hidden_in_place, bool):
       raise ValueError(f"linear_logp_mosaic.Config: hidden_in_place must be a bool, got "
                        f"{self.hidden_in_place!r}")
@@ -125,7 +129,7 @@ class Config:
     return mosaic_loop.LoopConfig(
         tile_m=self.tile_m, tile_n=VOCAB_TILE, num_compute_wgs=self.num_wgs, wg_split="n",
         max_concurrent_steps=self.max_concurrent_steps, grid_minor=self.grid_minor,
-        grid_tile_width=self.grid_tile_width, tile_k=self.tile_k)
+        grid_tile_width=self.grid_tile_width, tile_k=self.tile_k, num_ctas=self.num_ctas)
 
 
 def decode_config(rows: int, hidden: int, layout: str, *,
@@ -133,7 +137,7 @@ def decode_config(rows: int, hidden: int, layout: str, *,
   """The sampler head's config at a decode step's few rows (``rows <= 64``), else None.
 
   64-row CTAs halve the padding rows' tensor-core work and logit stores (numbers:
-  ``benchmarks/results/head_decode_h100.md``):
+  ``benchmarks/results/head_decode.md``):
 
   * the logits of an ``"hv"`` weight ``[H, V]``: two warpgroups (a 256-column CTA tile,
     512-byte runs of each weight row) with the hidden rows read in place;

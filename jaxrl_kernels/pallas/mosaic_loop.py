@@ -39,6 +39,7 @@ from jaxrl_kernels.contract import GEMM_TILE_K
 from jaxrl_kernels.pallas._common import (
   HOPPER_SMEM_BYTES,
   cdiv,
+  check_num_ctas,
   mosaic_warpgroup_params,
   smem_load,
   smem_transforms,
@@ -74,6 +75,9 @@ class LoopConfig:
     tile_k: the K columns of one pipeline step, a multiple of ``TILE_K``: the same k16
       instructions in the same order into the same accumulator (a wider step issues more of
       them between waits), so the same bits.
+    num_ctas: the persistent grid's size (None: one CTA per SM of the device). Each CTA
+      tile's instructions are the same whichever CTA runs it, so GPUs of one architecture
+      with other SM counts (an H20's 78, an H100's 132) give the same bits.
   """
 
   tile_m: int
@@ -85,6 +89,10 @@ class LoopConfig:
   grid_tile_width: int
   tree_registers: int = 0
   tile_k: int = TILE_K
+  num_ctas: int | None = None
+
+  def __post_init__(self):
+    check_num_ctas("mosaic_loop.LoopConfig", self.num_ctas)
 
   @property
   def cta_tile_m(self) -> int:
@@ -137,10 +145,15 @@ def pipeline_depth(cfg: LoopConfig, itemsize: int, epilogue_bytes: int,
   return steps
 
 
+def grid_size(cfg: LoopConfig) -> int:
+  """The persistent grid's CTA count: ``cfg.num_ctas``, else one per SM."""
+  return cfg.num_ctas if cfg.num_ctas is not None else num_sms()
+
+
 def _grid(cfg: LoopConfig, name: str | None = None) -> dict:
-  # One CTA per SM; one memory warpgroup plus the compute warpgroups. ``name``: the kernel's
-  # symbol (what profiles list), nothing else.
-  grid = dict(grid=(num_sms(),), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
+  # One CTA per SM (or cfg.num_ctas); one memory warpgroup plus the compute warpgroups.
+  # ``name``: the kernel's symbol (what profiles list), nothing else.
+  grid = dict(grid=(grid_size(cfg),), grid_names=("sm",), num_threads=cfg.num_compute_wgs + 1,
               thread_name="wg")
   return grid if name is None else {**grid, "kernel_name": name}
 
