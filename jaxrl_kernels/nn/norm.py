@@ -16,7 +16,9 @@ Gradients (``jax.custom_vjp``; the ``"xla"`` baseline: plain autodiff) are those
 float32 formula with the row mean as XLA's reduction; the weight's (and ``add_rms_norm``'s
 bias's) sum over rows is :func:`jaxrl_kernels.reduce.det_sum` (XLA's GPU column reduction
 adds with atomics): deterministic run to run (their bits are not claimed to be
-batch-invariant). The backward does not differentiate
+batch-invariant). The kernel implementations compute the weight's sum in one column-sum
+kernel that reads ``g`` and ``x`` (``pallas/reduce_triton.product_reduce_cols``), with the
+bits of that ``det_sum``. The backward does not differentiate
 ``tree_sum``: its slices and adds are element-wise, so XLA would fuse them into every
 consumer, and the weight gradient's column reduction would recompute each row's tree once
 per column.
@@ -37,7 +39,7 @@ from jax import lax
 from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.gemm.row_parallel import pairwise_tree
-from jaxrl_kernels.reduce import det_sum
+from jaxrl_kernels.reduce import REDUCE_LANES, det_sum
 
 # The one dispatch table: implementation name -> what runs (_backend.RowOpBackend; the
 # backward is the float32 formula under JAX's autodiff for every implementation).
@@ -106,20 +108,37 @@ def _over_rows(v: jax.Array, impl: str) -> jax.Array:
   return det_sum(v2, axis=0, implementation=impl)
 
 
+@_backend.kernel_jit(static_argnames=("interpret",))
+def _kernel_dw(g2, x2, rstd, *, interpret: bool):
+  from jaxrl_kernels.pallas import reduce_triton
+  return reduce_triton.product_reduce_cols(g2, x2, rstd, lanes=REDUCE_LANES,
+                                           interpret=interpret)
+
+
 def _backward(x, weight, g, eps: float, impl: str):
   """``(dx, dw)`` of the float32 formula: dx by XLA's autodiff of the rows (row-local),
-  dw as the fixed-order sum over rows of ``g * y``, ``y = x32 rsqrt(mean(x32^2) + eps)``."""
+  dw as the fixed-order sum over rows of ``g32 * y``, ``y = x32 * rstd``, ``rstd =
+  rsqrt(mean(x32^2) + eps)``. The kernel implementations form ``g32 * y`` inside the
+  column-sum kernel from ``g``, ``x`` and this ``rstd`` (the same two rounded products),
+  the bits of :func:`jaxrl_kernels.reduce.det_sum` over the written products."""
 
-  def rows(x):  # the stock formula, with its normalized rows y as aux
+  def rows(x):  # the stock formula, with y and rstd as aux
     x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
-    return (weight.astype(jnp.float32) * y).astype(x.dtype), y
+    rstd = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
+    y = x32 * rstd
+    return (weight.astype(jnp.float32) * y).astype(x.dtype), (y, rstd)
 
-  _, vjp, y = jax.vjp(rows, x, has_aux=True)
+  _, vjp, (y, rstd) = jax.vjp(rows, x, has_aux=True)
   (dx,) = vjp(g)
   # The formula rounds w * y to x's dtype: its cotangent reaches w * y as g in float32.
-  dw = _over_rows(g.astype(jnp.float32) * y, impl).astype(weight.dtype)
-  return dx, dw
+  be = BACKENDS[impl]
+  if be.kernel and x.size:
+    n = x.shape[-1]
+    dw = _kernel_dw(g.reshape(-1, n), x.reshape(-1, n), rstd.reshape(-1),
+                    interpret=be.interpret)
+  else:
+    dw = _over_rows(g.astype(jnp.float32) * y, impl)
+  return dx, dw.astype(weight.dtype)
 
 
 def _rms_norm_bwd(eps, impl, res, g):

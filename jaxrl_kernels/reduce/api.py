@@ -16,6 +16,10 @@ appended. These ops fix the order (docs/transform.md):
   inside a tile, tile totals carried in ascending order; element ``i``
   depends only on elements ``<= i``.
 
+A sum over leading axes (``det_sum(x, axis=0)`` of ``[R, N]``, a weight gradient over
+tokens) runs the column form of the kernel, which reads ``x`` as it lies: the same bits
+as the transposed rows.
+
 Implementations: ``"triton"`` (the Pallas kernel, GPU), ``"interpret"`` (the
 same kernel on the CPU interpreter), ``"cpu"`` (plain XLA ops in the same
 order: bitwise equal to ``"interpret"``) and ``"xla"`` (stock ``jnp.sum``, a
@@ -103,6 +107,44 @@ def _kernel_rows(x2, *, op: str, interpret: bool):
                                    interpret=interpret)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _reduce2d_cols(x2, op: str, impl: str):
+  """``[R, N] -> [N]``: bitwise ``_reduce2d(x2.T, op, impl)`` for a kernel backend, by the
+  column kernel (no transpose)."""
+  return _kernel_cols(x2, op=op, interpret=BACKENDS[impl].interpret)
+
+
+@_backend.kernel_jit(static_argnames=("op", "interpret"))
+def _kernel_cols(x2, *, op: str, interpret: bool):
+  from jaxrl_kernels.pallas import reduce_triton
+  return reduce_triton.reduce_cols(x2, op=op, lanes=REDUCE_LANES, out_dtype=x2.dtype,
+                                   interpret=interpret)
+
+
+def _reduce2d_cols_fwd(x2, op, impl):
+  out = _reduce2d_cols(x2, op, impl)
+  return out, (x2, out)
+
+
+def _reduce2d_cols_bwd(op, impl, res, g):
+  x2, out = res
+  if op == "sum":
+    return (jnp.broadcast_to(g[None, :], x2.shape).astype(x2.dtype),)
+  (dxt,) = _reduce2d_bwd(op, impl, (x2.T, out), g)
+  return (dxt.T,)
+
+
+_reduce2d_cols.defvjp(_reduce2d_cols_fwd, _reduce2d_cols_bwd)
+
+
+def _by_columns(axes: tuple[int, ...], kept: list[int], reduced: int, impl: str, dtype) -> bool:
+  """Whether the column kernel runs: a kernel backend, the reduced axes leading (their
+  flat index is then the row of ``x.reshape(reduced, -1)``, no transpose), and more than
+  one lane step of them (shorter sums stay one fused element-wise pass in XLA)."""
+  return (BACKENDS[impl].kernel and dtype != jnp.float64 and bool(kept)
+          and axes == tuple(range(len(axes))) and reduced > REDUCE_LANES)
+
+
 def _reduce2d_fwd(x2, op, impl):
   out = _reduce2d(x2, op, impl)
   return out, (x2, out)
@@ -129,11 +171,15 @@ def _reduce(op_name: str, op: str, x, axis: Axis, keepdims: bool,
   axes = _axes(op_name, axis, x.ndim)
   impl = resolve_implementation(op_name, implementation, x.dtype)
   kept = [d for d in range(x.ndim) if d not in axes]
-  # Reduced axes go last, flattened row-major: the flat index orders the terms.
-  xt = jnp.transpose(x, kept + list(axes))
   lead = [x.shape[d] for d in kept]
-  x2 = xt.reshape(math.prod(lead), math.prod(x.shape[d] for d in axes))
-  out = _reduce2d(x2, op, impl).reshape(lead)
+  reduced = math.prod(x.shape[d] for d in axes)
+  if _by_columns(axes, kept, reduced, impl, x.dtype) and x.size:
+    # Leading reduced axes: the rows of x.reshape(reduced, -1), summed per column.
+    out = _reduce2d_cols(x.reshape(reduced, math.prod(lead)), op, impl).reshape(lead)
+  else:
+    # Reduced axes go last, flattened row-major: the flat index orders the terms.
+    xt = jnp.transpose(x, kept + list(axes))
+    out = _reduce2d(xt.reshape(math.prod(lead), reduced), op, impl).reshape(lead)
   if keepdims:
     out = jnp.expand_dims(out, axes)
   return out

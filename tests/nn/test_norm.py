@@ -112,6 +112,29 @@ def test_gradients_match_float64(impl):
     assert rel_err(a, b) <= TOL["float32"][1], what
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kernel_weight_gradient_is_the_cpu_one_bitwise(dtype):
+  # The kernel implementations sum g * y over rows in the column-sum kernel, from g, x and
+  # the rows' rstd; "cpu" writes g * y and runs det_sum: the same bits. 2 x 70 rows: more
+  # than one lane step, and not a multiple of one.
+  x, w = _inputs(140, 40, dtype, seed=11)
+  x = x.reshape(2, 70, 40)
+  g = wide_rows(jax.random.key(12), 140, 40, dtype, spread=6).reshape(x.shape)
+  grads = {impl: jax.jit(jax.grad(
+      lambda x, w, i=impl: jnp.sum(g.astype(jnp.float32) * rms_norm(
+          x, w, eps=EPS, implementation=i).astype(jnp.float32)), (0, 1)))(x, w)
+      for impl in ("interpret", "cpu")}
+  assert_bitwise_equal(grads["interpret"][1], grads["cpu"][1], "dw")
+  assert_bitwise_equal(grads["interpret"][0], grads["cpu"][0], "dx")
+  # add_rms_norm's bias gradient: det_sum over rows by the column kernel for "interpret"
+  parts = jnp.stack([x.astype(jnp.float32), -0.5 * x.astype(jnp.float32)])
+  bias = jnp.linspace(-1.0, 1.0, 40)
+  db = {impl: jax.grad(lambda b, i=impl: jnp.sum(
+      g.astype(jnp.float32) * add_rms_norm(x, parts, w, eps=EPS, bias=b, implementation=i)[1]
+      .astype(jnp.float32)))(bias) for impl in ("interpret", "cpu")}
+  assert_bitwise_equal(db["interpret"], db["cpu"], "bias")
+
+
 @pytest.mark.parametrize("impl", ["cpu", "interpret"])
 def test_add_rms_norm_gradients_match_the_separate_ops(impl):
   a, w, b, x = _layer(7, 128, 64, "float32", chunks=4)
