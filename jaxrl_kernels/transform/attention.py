@@ -168,21 +168,31 @@ def _implementation(opts: Options, dtype, d: int) -> tuple[bool, str | None]:
   return True, impl
 
 
+def fitting_implementation(opts: Options, q, k, v) -> tuple[bool, str | None]:
+  """(fits, the ``causal_attention`` implementation) for q ``[B, T, N, H]`` and k, v
+  ``[B, S, K, H]`` (arrays or avals): one float dtype, ``N`` a multiple of ``K``, no
+  empty axis, a head dim the kernels that would run take."""
+  if not all(len(x.shape) == 4 for x in (q, k, v)) or not q.dtype == k.dtype == v.dtype:
+    return False, None
+  if jnp.dtype(q.dtype).name not in _DTYPES or k.shape != v.shape:
+    return False, None
+  b, _, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  if (k.shape[0] != b or k.shape[3] != d or hkv == 0 or hq % hkv or math.prod(q.shape) == 0
+      or s == 0):
+    return False, None
+  return _implementation(opts, q.dtype, d)
+
+
 def library_attention(opts: Options, q, k, v, *, is_causal: bool, scale: float | None,
                       q_lengths=None, kv_lengths=None):
   """``jax.nn.dot_product_attention`` (BTNH) as ``causal_attention``, or None if it
   does not fit (module docstring)."""
-  if not all(x.ndim == 4 for x in (q, k, v)) or not q.dtype == k.dtype == v.dtype:
-    return None
-  if jnp.dtype(q.dtype).name not in _DTYPES or k.shape != v.shape:
-    return None
-  b, t, hq, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  if k.shape[0] != b or k.shape[3] != d or hkv == 0 or hq % hkv or q.size == 0 or s == 0:
-    return None
-  fits, impl = _implementation(opts, q.dtype, d)
+  fits, impl = fitting_implementation(opts, q, k, v)
   if not fits:
     return None
+  b, t, _, d = q.shape
+  s = k.shape[1]
   rows = jnp.arange(t, dtype=jnp.int32)
   pos = rows if is_causal else jnp.full((t,), s - 1, jnp.int32)
   pos = jnp.broadcast_to(pos, (b, t))

@@ -7,7 +7,9 @@ rule's output, an equation that holds jaxprs (``jit``, ``cond``, ``while``,
 is bound again with each inner jaxpr rewritten the same way, and every other
 equation is bound as it is. A call of ``jax.nn.dot_product_attention`` (its
 marked ``jit``, or jax's cuDNN ``custom_vjp_call``) becomes the library's
-attention where it fits (:mod:`jaxrl_kernels.transform.attention`).
+attention where it fits (:mod:`jaxrl_kernels.transform.attention`), and so does
+attention written by hand in einsum + mask + softmax + einsum, where the jaxpr proves it
+(:mod:`jaxrl_kernels.transform.einsum_attention`).
 The library's own kernel calls (``jit`` functions named by
 :func:`jaxrl_kernels._backend.kernel_jit`) are bound as they are: they hold the contract.
 Custom derivative rules are kept; the jaxprs they produce (a custom JVP, a custom
@@ -27,7 +29,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from jaxrl_kernels import _backend
-from jaxrl_kernels.transform import attention
+from jaxrl_kernels.transform import attention, einsum_attention
 from jaxrl_kernels.transform import rules as rules_mod
 from jaxrl_kernels.transform.rules import Options, Unsupported
 
@@ -299,7 +301,17 @@ def eval_jaxpr(jaxpr: core.Jaxpr, consts, args, opts: Options, left: list[str]) 
   for v, a in zip(jaxpr.invars, args):
     env[v] = a
   products = activation_products(jaxpr)
+  # Hand-written attention: its last product becomes causal_attention, the rest is dead.
+  plans = einsum_attention.find(jaxpr, consts, opts)
+  dead = set().union(*(p.skip for p in plans.values()))
   for i, eqn in enumerate(jaxpr.eqns):
+    if i in dead:
+      continue
+    if i in plans:
+      with source_info_util.user_context(eqn.source_info.traceback,
+                                         name_stack=eqn.source_info.name_stack):
+        env[eqn.outvars[0]] = einsum_attention.apply(plans[i], read)
+      continue
     invals = [read(v) for v in eqn.invars]
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=eqn.source_info.name_stack):
