@@ -229,8 +229,8 @@ CASES = {
     "decoder_logp": (decoder_logp, ("cpu", "interpret", "triton", "mosaic")),
     "rl": (rl_objective, ("cpu",)),
     "linear_policy_loss": (linear_policy_loss, ("cpu", "interpret", "triton", "mosaic")),
-    # GPU digests to record on the next GPU run (tests/golden_update.py there).
-    "linear_policy_loss_3gemm": (linear_policy_loss_3gemm, ("cpu", "interpret", "triton", "mosaic")),
+    "linear_policy_loss_3gemm": (linear_policy_loss_3gemm,
+                                 ("cpu", "interpret", "triton", "mosaic")),
     "cpu_tiles": (cpu_tiles, ("cpu", "interpret")),
     "grouped_matmul": (grouped_matmul, ("cpu", "interpret", "triton")),
     "moe_mlp": (moe_layer, ("cpu", "interpret", "triton")),

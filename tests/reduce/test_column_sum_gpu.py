@@ -38,8 +38,9 @@ def test_column_kernel_is_det_sum_over_rows_gpu(dtype):
     assert_bitwise_equal(out, got, f"{cfg}")
   for _ in range(20):
     assert_bitwise_equal(cols(x), got, "run to run")
-  stock = jax.jit(lambda x: jnp.sum(x, axis=0))(x)
-  assert not np.array_equal(bits(stock), bits(got))  # control: another order, other bits
+  if dtype == "float32":  # control (a bf16 output's rounding can hide another order)
+    stock = jax.jit(lambda x: jnp.sum(x, axis=0))(x)
+    assert not np.array_equal(bits(stock), bits(got)), "XLA's column sum: another order"
 
 
 def _norm_inputs(dtype):
@@ -71,9 +72,16 @@ def test_fused_norm_weight_gradient_gpu(dtype):
   for _ in range(20):
     assert_bitwise_equal(fused(g, x, rstd), got, "run to run")
 
+  # rms_norm's dw in a training program: its rstd is XLA's row mean compiled in that
+  # program (the contract claims run-to-run bits for it, not batch invariance), so it is
+  # checked against float64 and run to run; tests/test_golden.py pins its bits.
   grad = jax.jit(jax.grad(lambda w: jnp.sum(g.astype(jnp.float32) * rms_norm(
       x, w, eps=EPS, implementation="triton").astype(jnp.float32))))
   dw = grad(w)
-  assert_bitwise_equal(dw, via_rows.astype(w.dtype), "rms_norm's dw")
+  g64, x64 = np.asarray(g, np.float64), np.asarray(x, np.float64)
+  terms = g64 * x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
+  err = np.abs(np.asarray(dw, np.float64) - terms.sum(0)) / np.abs(terms).sum(0)
+  tol = 2e-5 if dtype == "float32" else 1e-2  # fp32: (128 + 7) rounding steps per sum
+  assert err.max() < tol, f"rms_norm's dw vs float64: {err.max():.2e}"
   for _ in range(5):
     assert_bitwise_equal(grad(w), dw, "rms_norm's dw, run to run")
