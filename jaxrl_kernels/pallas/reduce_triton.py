@@ -62,6 +62,28 @@ def block_rows_for(rows: int, cfg: Config) -> int:
   return br
 
 
+def walk_steps(load, steps: int, unroll: int, op: str):
+  """The contract's walk over ``steps`` lane steps (``load(t)``: step ``t``'s float32 tile):
+  step 0 as identity (+) x written out (0.0 + (-0.0) is +0.0; 1.0 * x is x), so no compiler
+  can fold it to x; then whole groups of ``unroll`` steps, then the remaining steps one at a
+  time: the same operations in the same order as one step per loop iteration."""
+
+  def step(t, acc):
+    return acc + load(t) if op == "sum" else acc * load(t)
+
+  def unrolled(j, acc):  # steps 1 + j * unroll ... j * unroll + unroll, in that order
+    for u in range(unroll):
+      acc = step(1 + j * unroll + u, acc)
+    return acc
+
+  acc = load(0)
+  if op == "sum":
+    acc = jnp.where(acc == 0, jnp.zeros_like(acc), acc)
+  groups = (steps - 1) // unroll
+  acc = lax.fori_loop(0, groups, unrolled, acc)
+  return lax.fori_loop(1 + groups * unroll, steps, step, acc)
+
+
 def _kernel(x_ref, o_ref, *, rows, n, lanes, block_rows, unroll, op):
   i = pl.program_id(0)
   row_ids = i * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
@@ -74,25 +96,8 @@ def _kernel(x_ref, o_ref, *, rows, n, lanes, block_rows, unroll, op):
                       mask=row_ok[:, None] & (cols < n)[None, :], other=identity)
     return x.astype(jnp.float32)
 
-  def step(t, acc):
-    return acc + load(t) if op == "sum" else acc * load(t)
-
-  def unrolled(j, acc):  # steps 1 + j * unroll ... j * unroll + unroll, in that order
-    for u in range(unroll):
-      acc = step(1 + j * unroll + u, acc)
-    return acc
-
   # Ascending lane steps from column 0 with a trip count set by N alone: the contract.
-  # Step 0 is identity (+) x written out (0.0 + (-0.0) is +0.0; 1.0 * x is x), so no
-  # compiler can fold it to x. Then whole groups of `unroll` steps, then the remaining
-  # steps one at a time: the same operations in the same order as one step per iteration.
-  steps = _common.cdiv(n, lanes)
-  acc = load(0)
-  if op == "sum":
-    acc = jnp.where(acc == 0, jnp.zeros_like(acc), acc)
-  groups = (steps - 1) // unroll
-  acc = lax.fori_loop(0, groups, unrolled, acc)
-  acc = lax.fori_loop(1 + groups * unroll, steps, step, acc)
+  acc = walk_steps(load, _common.cdiv(n, lanes), unroll, op)
   width = lanes
   while width > 1:  # fixed halving tree over the lanes
     lo, hi = jnp.split(acc, 2, axis=1)
@@ -193,23 +198,8 @@ def _cols_kernel(*refs, rows, n, lanes, block_lanes, block_cols, unroll, op, fus
     # that consumes it into an FMA (the product XLA writes to memory is rounded too).
     return jnp.where(mask, g * (x * scale.astype(jnp.float32)[:, None]), 0.0)
 
-  def step(t, acc):
-    return acc + load(t) if op == "sum" else acc * load(t)
-
-  def unrolled(j, acc):  # steps 1 + j * unroll ... j * unroll + unroll, in that order
-    for u in range(unroll):
-      acc = step(1 + j * unroll + u, acc)
-    return acc
-
-  # The row kernel's order (_kernel): step 0 as identity (+) x, whole groups of `unroll`
-  # steps, then the remaining steps one at a time; the trip count is set by R alone.
-  steps = _common.cdiv(rows, lanes)
-  acc = load(0)
-  if op == "sum":
-    acc = jnp.where(acc == 0, jnp.zeros_like(acc), acc)
-  groups = (steps - 1) // unroll
-  acc = lax.fori_loop(0, groups, unrolled, acc)
-  acc = lax.fori_loop(1 + groups * unroll, steps, step, acc)
+  # The row kernel's order (_kernel); the trip count is set by R alone.
+  acc = walk_steps(load, _common.cdiv(rows, lanes), unroll, op)
   if block_lanes < lanes:  # the lane sums; fold_lanes folds them
     pltriton.store(o_ref.at[pl.ds(lane0, block_lanes), pl.ds(col0, block_cols)], acc,
                    mask=col_ok[None, :])
