@@ -11,6 +11,7 @@ import inspect
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -98,6 +99,6 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
 
 def check_num_ctas(where: str, num_ctas) -> None:
   """Refuses a persistent grid size that is not None or a positive int, by name."""
-  if num_ctas is not None and (not isinstance(num_ctas, int) or isinstance(num_ctas, bool)
-                               or num_ctas < 1):
+  if num_ctas is not None and (not isinstance(num_ctas, (int, np.integer))
+                               or isinstance(num_ctas, (bool, np.bool_)) or num_ctas < 1):
     raise ValueError(f"{where}: num_ctas must be None or a positive int, got {num_ctas!r}")

@@ -496,6 +496,9 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
   n_items = bsz_pad // lanes * hq  # a persistent CTA's work items: (batch group, head)
   if persistent is None:
     persistent = persistent_for(tq, n_items)
+  if num_ctas is not None and not persistent:
+    raise ValueError(f"causal_attention(mosaic): num_ctas sizes the persistent grid; this call "
+                     f"runs one CTA per item (persistent=False), got num_ctas={num_ctas}")
 
   def entry(q_ref, k_ref, v_ref, last_ref, ntiles_ref, kvlen_ref, out_ref, lse_ref):
     scratch = (
@@ -521,7 +524,7 @@ def forward(q, k, v, q_positions, kv_lengths, *, scale: float, lanes: int | None
         scratch, loaded, consumed, schedule, collective_axes="wg")
 
   if persistent:  # one CTA per SM (at most one per item), walking the items heads fastest
-    grid = dict(grid=(min(n_items, num_ctas or num_sms()),), grid_names=("cta",))
+    grid = dict(grid=(min(n_items, int(num_ctas or num_sms())),), grid_names=("cta",))
   else:
     # The last grid axis is CUDA's x, the fastest in launch order: the heads of one batch
     # entry run side by side, reading the interleaved K/V rows of one cache region.

@@ -147,7 +147,7 @@ def pipeline_depth(cfg: LoopConfig, itemsize: int, epilogue_bytes: int,
 
 def grid_size(cfg: LoopConfig) -> int:
   """The persistent grid's CTA count: ``cfg.num_ctas``, else one per SM."""
-  return cfg.num_ctas if cfg.num_ctas is not None else num_sms()
+  return int(cfg.num_ctas) if cfg.num_ctas is not None else num_sms()
 
 
 def _grid(cfg: LoopConfig, name: str | None = None) -> dict:

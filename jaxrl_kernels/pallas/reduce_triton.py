@@ -220,6 +220,10 @@ def fold_lanes(acc: jax.Array, op: str) -> jax.Array:
 
 def _reduce_cols_call(args, *, rows: int, n: int, op: str, lanes: int, out_dtype,
                       interpret: bool, config: ColumnConfig | None, fused: bool, name: str):
+  if op not in ("sum", "prod"):
+    raise ValueError(f"{name}: op must be 'sum' or 'prod', got {op!r}")
+  if lanes < 1 or lanes & (lanes - 1):
+    raise ValueError(f"{name}: lanes must be a power of two, got {lanes}")
   cfg = config or ColumnConfig()
   if cfg.unroll < 1:
     raise ValueError(f"{name}: config.unroll must be >= 1, got {cfg.unroll}")
@@ -262,6 +266,8 @@ def reduce_cols(x: jax.Array, *, op: str, lanes: int, out_dtype, interpret: bool
     interpret: run the Pallas interpreter (CPU) instead of compiling with Triton.
     config: tuning knobs (:class:`ColumnConfig`); every config gives the same bits.
   """
+  if x.ndim != 2:
+    raise ValueError(f"det_{op}_cols: x must be [R, N], got shape {x.shape}")
   rows, n = x.shape
   return _reduce_cols_call((x,), rows=rows, n=n, op=op, lanes=lanes, out_dtype=out_dtype,
                            interpret=interpret, config=config, fused=False,
@@ -288,6 +294,8 @@ def product_reduce_cols(g: jax.Array, x: jax.Array, scale: jax.Array, *, lanes: 
   Returns:
     ``[N]`` float32.
   """
+  if x.ndim != 2:
+    raise ValueError(f"product_reduce_cols: x must be [R, N], got shape {x.shape}")
   rows, n = x.shape
   if g.shape != x.shape or scale.shape != (rows,):
     raise ValueError(f"product_reduce_cols: expected g {x.shape} and scale {(rows,)} for x "

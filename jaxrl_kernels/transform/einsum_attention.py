@@ -32,8 +32,10 @@ and query axes only (a decode step's position). The result must be a conjunction
 ``key <= U(batch, query)`` bounds; ``q_positions`` is their minimum (clipped to
 ``[-1, S - 1]``). A concrete boolean mask (closed over) must hold a prefix of keys in
 each row. A bound on keys from below (a sliding window), a mask that depends on the
-head, on data over the keys (a padding mask passed in), or one that drops whole query
-rows, leaves the pattern alone: the equations are rewritten one by one.
+head or on data over the keys (a padding mask passed in), or a scale after the mask that
+lifts a finite fill above -1e9, leaves the pattern alone: the equations are rewritten one
+by one. A mask that takes every key from some queries (``key <= query - 5``) is taken:
+those queries see no key (below).
 
 The fill counts as -inf when it is -inf, at most -1e9, or the scores' dtype's lowest
 value: ``exp(fill - max)`` is then exactly 0 wherever a seen score exceeds
@@ -216,7 +218,8 @@ def _own_roles(c, aval, roles) -> tuple:
 
 
 def _signed_int(aval) -> bool:
-  return jnp.issubdtype(aval.dtype, jnp.signedinteger)
+  # 32 and 64 bits only: the bounds are exact integer arithmetic, which narrow types wrap.
+  return jnp.dtype(aval.dtype) in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))
 
 
 def _int(scope: _Scope, atom, roles) -> _Affine:
@@ -243,6 +246,9 @@ def _int(scope: _Scope, atom, roles) -> _Affine:
       return _Affine()
     return _Affine(coef={roles[dim]: 1})
   if name in _LAYOUT or name == "convert_element_type":
+    src = eqn.invars[0].aval
+    _require(jnp.dtype(src.dtype).itemsize <= jnp.dtype(eqn.outvars[0].aval.dtype).itemsize,
+             "a narrowing integer cast in the mask")
     return _int(scope, eqn.invars[0], _layout_roles(eqn, roles))
   if name in ("add", "sub"):
     a, b = (_int(scope, x, _operand_roles(x.aval.shape, out_shape, roles))
@@ -320,8 +326,9 @@ def _is_fill(value, dtype) -> bool:
   return bool(np.all((v <= FILL_BELOW) | (v == lowest)))
 
 
-def _bias(scope: _Scope, atom, roles, dtype) -> list:
-  """The keys an additive bias lets through (where it is 0; -inf-like elsewhere)."""
+def _bias(scope: _Scope, atom, roles, dtype, fills: list) -> list:
+  """The keys an additive bias lets through (where it is 0; -inf-like elsewhere); the
+  largest fill value is appended to ``fills``."""
   c = _const(scope, atom)
   if c is not None:
     zero = c == 0
@@ -330,30 +337,33 @@ def _bias(scope: _Scope, atom, roles, dtype) -> list:
              "a bias that is not 0 or a fill")
     if zero.all():
       return []
+    fills.append(float(np.max(np.asarray(c, np.float64)[~zero])))
     return [("prefix", zero, _own_roles(zero, atom.aval, roles))]
   up = scope.outer_atom(atom)
   if up is not None:
-    return _bias(*up, roles, dtype)
+    return _bias(*up, roles, dtype, fills)
   eqn = scope.producer.get(atom)
   _require(eqn is not None, "a bias that is data")
   name = eqn.primitive.name
   out_shape = eqn.outvars[0].aval.shape
   if name in _LAYOUT or name == "convert_element_type":
     _require(jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating), "a non-float bias")
-    return _bias(scope, eqn.invars[0], _layout_roles(eqn, roles), dtype)
+    return _bias(scope, eqn.invars[0], _layout_roles(eqn, roles), dtype, fills)
   if name == "select_n" and len(eqn.invars) == 3:
     pred, if_false, if_true = eqn.invars
     f, t = _const(scope, if_false), _const(scope, if_true)
     _require(f is not None and t is not None, "a bias that is data")
     pred_roles = _operand_roles(pred.aval.shape, out_shape, roles)
     if not t.any() and _is_fill(f, dtype):
+      fills.append(float(np.max(np.asarray(f, np.float64))))
       return _bool(scope, pred, pred_roles)
     if not f.any() and _is_fill(t, dtype):
+      fills.append(float(np.max(np.asarray(t, np.float64))))
       return _bool(scope, pred, pred_roles, negate=True)
   body = _call_body(eqn)
   if body is not None and len(eqn.outvars) == 1:
     inner = scope.inner(eqn, body)
-    return _bias(inner, inner.jaxpr.outvars[0], roles, dtype)
+    return _bias(inner, inner.jaxpr.outvars[0], roles, dtype, fills)
   raise _NoMatch(f"a bias built by {name}")
 
 
@@ -364,6 +374,7 @@ class _Chain:
   roles: tuple
   scales: list = dataclasses.field(default_factory=list)  # ("mul" | "div", value, dtype)
   masks: list = dataclasses.field(default_factory=list)
+  fills: list = dataclasses.field(default_factory=list)  # each mask's largest fill, scaled
   key_role: str | None = None  # the softmax axis's role: the keys
   end: object = None  # the probabilities, as the product with v takes them
   skip: list = dataclasses.field(default_factory=list)  # top-level equations consumed
@@ -471,12 +482,16 @@ def _follow(scope: _Scope, v, st: _Chain):
                "a scale that is not a static scalar")
       val = float(np.asarray(c.reshape(-1)[0], np.float64))
       _require(math.isfinite(val) and val > 0, "a scale that is not finite and positive")
+      # A scale after the mask scales a finite fill too (where(m, s, -1e9) * 1e-9 is -1).
+      st.fills = [f * val if name == "mul" else f / val for f in st.fills]
+      _require(all(f <= FILL_BELOW for f in st.fills), "a scale that lifts the mask's fill")
       st.scales.append((name, val, c.dtype))
     elif name == "select_n" and not st.softmax and len(eqn.invars) == 3:
       pred, if_false, if_true = eqn.invars
       _require((if_false is v) != (if_true is v), "the scores on both sides")
       fill = _const(scope, if_true if if_false is v else if_false)
       _require(fill is not None and _is_fill(fill, v.aval.dtype), "a fill that is not -inf")
+      st.fills.append(float(np.max(np.asarray(fill, np.float64))))
       st.masks += _bool(scope, pred, _operand_roles(pred.aval.shape, out.aval.shape, st.roles),
                         negate=if_false is v)
     elif name == "add" and not st.softmax:
@@ -485,7 +500,7 @@ def _follow(scope: _Scope, v, st: _Chain):
       _require(other is not v, "scores added to themselves")
       st.masks += _bias(scope, other,
                         _operand_roles(other.aval.shape, out.aval.shape, st.roles),
-                        v.aval.dtype)
+                        v.aval.dtype, st.fills)
     elif (name in _CALLS or (name == "custom_jvp_call" and not st.softmax and getattr(
         eqn.params["call_jaxpr"].jaxpr.debug_info, "func_name", "") == "_softmax")):
       _require(len(eqn.outvars) == 1 and eqn.invars.count(v) == 1, "a call's other output")
@@ -518,7 +533,12 @@ def _unrepeat(scope: _Scope, v, roles):
         and big[a] * big[a + 1] == out[a] and src == big[:a + 1] + big[a + 2:]
         and tuple(bcast.params["broadcast_dimensions"])
         == tuple(range(a + 1)) + tuple(range(a + 2, n + 1))):
-      eqns = [e for e, w in ((eqn, v), (bcast, x)) if scope.uses(w) == 1]
+      # The repeat is dead once the product is replaced only if nothing else reads it.
+      eqns = []
+      if scope.uses(v) == 1:
+        eqns.append(eqn)
+        if scope.uses(x) == 1:
+          eqns.append(bcast)
       return bcast.invars[0], roles, big[a + 1], roles[a], eqns
   return v, roles, 1, None, []
 
@@ -637,6 +657,7 @@ def _match(scope: _Scope, i: int, opts: Options) -> Plan:
   k0, k_roles, gk, hk, k_eqns = _unrepeat(scope, k_var, tuple(k_roles))
   v0, v_roles, gv, hv, v_eqns = _unrepeat(scope, v_var, tuple(v_roles))
   _require(gk == gv and (gk == 1 or hk == hv), "k and v repeated differently")
+  _require(gk == 1 or hk in pairs, "a repeat that is not over heads")
   # The head role: the repeated axis; else not the one the mask depends on.
   used = set()
   for kind, a, b in st.masks:

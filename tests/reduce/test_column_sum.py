@@ -68,6 +68,13 @@ def test_column_config_errors():
       _cols(x, **cfg)
   with pytest.raises(ValueError, match="expected g"):
     reduce_triton.product_reduce_cols(x, x, jnp.ones(3), lanes=REDUCE_LANES, interpret=True)
+  kw = dict(lanes=REDUCE_LANES, out_dtype=jnp.float32, interpret=True)
+  with pytest.raises(ValueError, match="op must be 'sum' or 'prod', got 'max'"):
+    reduce_triton.reduce_cols(x, op="max", **kw)
+  with pytest.raises(ValueError, match="lanes must be a power of two, got 96"):
+    reduce_triton.reduce_cols(x, op="sum", **{**kw, "lanes": 96})
+  with pytest.raises(ValueError, match=r"x must be \[R, N\]"):
+    reduce_triton.reduce_cols(x[None], op="sum", **kw)
 
 
 def test_det_sum_over_leading_axes_runs_the_column_kernel():

@@ -192,6 +192,58 @@ def test_forms_that_are_not_provably_causal_attention_are_left_alone(case):
   assert rel_err(out, f(q, k, v, data_mask)) <= 1e-5
 
 
+def _keys_repeated(q, k, v, m):
+  """``[BH, T, D]`` attention whose K and V are repeated along the keys, not the heads."""
+  del m
+  k, v = jnp.repeat(k[:, :4, 0], 2, axis=1), jnp.repeat(v[:, :4, 0], 2, axis=1)  # 8 keys
+  q = q[:, :, 0]
+  scores = jnp.einsum("bqd,bkd->bqk", q, k) / 4.0
+  scores = jnp.where(jnp.tril(jnp.ones((7, 8), bool)), scores, -jnp.inf)
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _scaled_fill(q, k, v, m):  # the fill -1e9 scaled to -1 after the mask: not a mask
+  del m
+  k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+  scores = jnp.where(jnp.tril(jnp.ones((7, 7), bool)), scores, -1e9) * 1e-9
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+@pytest.mark.parametrize("f", [_keys_repeated, _scaled_fill], ids=["keys_repeated",
+                                                                    "scaled_fill"])
+def test_more_forms_that_are_left_alone(f):
+  """A repeat along the keys (not the heads) and a finite fill scaled above -1e9 after the
+  mask: recognising either would give other values than the stock form."""
+  q, k, v = attention_inputs(0, 3, 7, 4, 2, 16, "float32")
+  g = batch_invariant(f)
+  assert calls_library_attention(jax.make_jaxpr(g)(q, k, v, None).jaxpr) == 0
+  out = jax.jit(g)(q, k, v, None)
+  with mock.patch.object(einsum_attention, "find", return_value={}):
+    old = jax.jit(batch_invariant(f))(q, k, v, None)
+  assert_bitwise_equal(out, old, "the equation by equation rewrite")
+  assert rel_err(out, f(q, k, v, None)) <= 1e-5
+
+
+def test_a_repeated_kv_read_elsewhere_stays_computed():
+  """The repeated K is also an output: the attention is replaced, the repeat is kept."""
+  q, k, v = attention_inputs(0, 3, 7, 4, 2, 16, "float32")
+
+  def f(q, k, v):
+    kr, vr = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, kr) / 4.0
+    scores = jnp.where(jnp.tril(jnp.ones((7, 7), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), vr), kr
+
+  g = batch_invariant(f, implementation="cpu")
+  assert calls_library_attention(jax.make_jaxpr(g)(q, k, v).jaxpr) == 1
+  out, kr = jax.jit(g)(q, k, v)
+  assert_bitwise_equal(kr, jnp.repeat(k, 2, axis=2), "the repeated K")
+  assert rel_err(out, f(q, k, v)[0]) <= 1e-5
+  sdpa = jax.jit(batch_invariant(_sdpa, implementation="cpu"))(q, k, v)
+  assert_bitwise_equal(out, sdpa, "einsum form vs dot_product_attention form")
+
+
 def test_rows_are_batch_invariant_and_the_stock_form_is_not():
   # At [8, 33, 4 heads over 2, 32] the stock einsum form's row 0 alone differs from row 0
   # of the batch on the CPU (XLA's products and sums follow the batch shape).
