@@ -39,7 +39,7 @@ from jax import lax
 from jaxrl_kernels import _backend, _validation
 from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.gemm.row_parallel import pairwise_tree
-from jaxrl_kernels.reduce import REDUCE_LANES, det_sum
+from jaxrl_kernels.reduce import det_sum, det_sum_scaled_products
 
 # The one dispatch table: implementation name -> what runs (_backend.RowOpBackend; the
 # backward is the float32 formula under JAX's autodiff for every implementation).
@@ -108,13 +108,6 @@ def _over_rows(v: jax.Array, impl: str) -> jax.Array:
   return det_sum(v2, axis=0, implementation=impl)
 
 
-@_backend.kernel_jit(static_argnames=("interpret",))
-def _kernel_dw(g2, x2, rstd, *, interpret: bool):
-  from jaxrl_kernels.pallas import reduce_triton
-  return reduce_triton.product_reduce_cols(g2, x2, rstd, lanes=REDUCE_LANES,
-                                           interpret=interpret)
-
-
 def _backward(x, weight, g, eps: float, impl: str):
   """``(dx, dw)`` of the float32 formula: dx by XLA's autodiff of the rows (row-local),
   dw as the fixed-order sum over rows of ``g32 * y``, ``y = x32 * rstd``, ``rstd =
@@ -128,16 +121,12 @@ def _backward(x, weight, g, eps: float, impl: str):
     y = x32 * rstd
     return (weight.astype(jnp.float32) * y).astype(x.dtype), (y, rstd)
 
-  _, vjp, (y, rstd) = jax.vjp(rows, x, has_aux=True)
+  _, vjp, (_, rstd) = jax.vjp(rows, x, has_aux=True)
   (dx,) = vjp(g)
   # The formula rounds w * y to x's dtype: its cotangent reaches w * y as g in float32.
-  be = BACKENDS[impl]
-  if be.kernel and x.size:
-    n = x.shape[-1]
-    dw = _kernel_dw(g.reshape(-1, n), x.reshape(-1, n), rstd.reshape(-1),
-                    interpret=be.interpret)
-  else:
-    dw = _over_rows(g.astype(jnp.float32) * y, impl)
+  n = x.shape[-1]
+  dw = det_sum_scaled_products(g.reshape(-1, n), x.reshape(-1, n), rstd.reshape(-1),
+                               implementation=impl)
   return dx, dw.astype(weight.dtype)
 
 

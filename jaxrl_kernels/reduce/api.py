@@ -213,6 +213,39 @@ def det_sum(x: jax.Array, axis: Axis = None, *, keepdims: bool = False,
   return _reduce("det_sum", "sum", x, axis, keepdims, implementation)
 
 
+def det_sum_scaled_products(g: jax.Array, x: jax.Array, scale: jax.Array, *,
+                            implementation: str | None = None) -> jax.Array:
+  """``det_sum(g32 * (x32 * scale[:, None]), axis=0)``: an RMSNorm weight gradient, the
+  sum over rows of the output cotangent times the normalized rows.
+
+  Args:
+    g, x: ``[R, N]`` bfloat16, float16 or float32.
+    scale: ``[R]`` float32 (the rows' ``rsqrt(mean(x^2) + eps)``).
+    implementation: as :func:`det_sum`.
+
+  Returns ``[N]`` float32 with the bits of :func:`det_sum` over the products XLA would write
+  (two rounded multiplies each); the kernel implementations form them in registers, reading
+  ``g`` and ``x`` where they lie.
+  """
+  _check_float("det_sum_scaled_products", x)
+  if g.shape != x.shape or x.ndim != 2 or scale.shape != x.shape[:1]:
+    raise ValueError(f"det_sum_scaled_products: expected g and x [R, N] and scale [R], got "
+                     f"g {g.shape}, x {x.shape}, scale {scale.shape}")
+  impl = resolve_implementation("det_sum_scaled_products", implementation, x.dtype)
+  be = BACKENDS[impl]
+  if be.kernel and x.size:
+    return _kernel_products(g, x, scale, interpret=be.interpret)
+  products = g.astype(jnp.float32) * (x.astype(jnp.float32) * scale[:, None])
+  return _reduce("det_sum", "sum", products, 0, False, impl)
+
+
+@_backend.kernel_jit(static_argnames=("interpret",))
+def _kernel_products(g, x, scale, *, interpret: bool):
+  from jaxrl_kernels.pallas import reduce_triton
+  return reduce_triton.product_reduce_cols(g, x, scale, lanes=REDUCE_LANES,
+                                           interpret=interpret)
+
+
 def det_prod(x: jax.Array, axis: Axis = None, *, keepdims: bool = False,
              implementation: str | None = None) -> jax.Array:
   """Product in the same fixed order as :func:`det_sum` (trailing ones change nothing)."""

@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_bitwise_equal, bits, wide_rows
 
 from jaxrl_kernels.pallas import reduce_triton
-from jaxrl_kernels.reduce import REDUCE_LANES, det_prod, det_sum
+from jaxrl_kernels.reduce import REDUCE_LANES, det_prod, det_sum, det_sum_scaled_products
 
 # rows: one, under a lane step, exactly one, several with a remainder; columns: under and
 # over the default block, never a multiple of it.
@@ -132,3 +132,15 @@ def test_stock_column_sum_differs_on_these_inputs():
   stock = jax.jit(lambda p: jnp.sum(p, axis=0))(prod)
   assert not np.array_equal(bits(stock), bits(ours))
   np.testing.assert_allclose(np.asarray(stock), np.asarray(ours), rtol=1e-4)
+
+
+def test_scaled_products_sum_checks_its_arguments_and_matches_across_implementations():
+  g = wide_rows(jax.random.key(7), 200, 33, "float32")
+  x = wide_rows(jax.random.key(8), 200, 33, "float32")
+  scale = jax.random.uniform(jax.random.key(9), (200,), jnp.float32, 0.5, 2.0)
+  want = det_sum(g * (x * scale[:, None]), axis=0, implementation="cpu")
+  for impl in ("cpu", "interpret"):
+    got = det_sum_scaled_products(g, x, scale, implementation=impl)
+    assert_bitwise_equal(got, want, f"{impl} vs det_sum of the written products")
+  with pytest.raises(ValueError, match="det_sum_scaled_products: expected g and x"):
+    det_sum_scaled_products(g, x, scale[:-1], implementation="cpu")
