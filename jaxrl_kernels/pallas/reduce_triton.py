@@ -230,7 +230,8 @@ def _reduce_cols_call(args, *, rows: int, n: int, op: str, lanes: int, out_dtype
   bc = cfg.block_cols
   if bc < 1 or bc & (bc - 1):
     raise ValueError(f"{name}: config.block_cols must be a power of two, got {bc}")
-  bl = block_lanes_for(n, lanes, cfg)
+  # The interpreter runs programs one after the other: all lanes in one program there.
+  bl = lanes if interpret and cfg.block_lanes is None else block_lanes_for(n, lanes, cfg)
   if bl < 1 or bl & (bl - 1) or lanes % bl:
     raise ValueError(f"{name}: config.block_lanes must be a power of two dividing {lanes}, "
                      f"got {bl}")
