@@ -111,17 +111,15 @@ def _over_rows(v: jax.Array, impl: str) -> jax.Array:
 def _backward(x, weight, g, eps: float, impl: str):
   """``(dx, dw)`` of the float32 formula: dx by XLA's autodiff of the rows (row-local),
   dw as the fixed-order sum over rows of ``g32 * y``, ``y = x32 * rstd``, ``rstd =
-  rsqrt(mean(x32^2) + eps)``. The kernel implementations form ``g32 * y`` inside the
-  column-sum kernel from ``g``, ``x`` and this ``rstd`` (the same two rounded products),
-  the bits of :func:`jaxrl_kernels.reduce.det_sum` over the written products."""
+  rsqrt(mean(x32^2) + eps)`` (:func:`jaxrl_kernels.reduce.det_sum_scaled_products`, from
+  ``g``, ``x`` and the ``rstd`` of dx's formula)."""
 
-  def rows(x):  # the stock formula, with y and rstd as aux
+  def rows(x):  # the stock formula, with rstd as aux
     x32 = x.astype(jnp.float32)
     rstd = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
-    y = x32 * rstd
-    return (weight.astype(jnp.float32) * y).astype(x.dtype), (y, rstd)
+    return (weight.astype(jnp.float32) * (x32 * rstd)).astype(x.dtype), rstd
 
-  _, vjp, (_, rstd) = jax.vjp(rows, x, has_aux=True)
+  _, vjp, rstd = jax.vjp(rows, x, has_aux=True)
   (dx,) = vjp(g)
   # The formula rounds w * y to x's dtype: its cotangent reaches w * y as g in float32.
   n = x.shape[-1]

@@ -236,7 +236,7 @@ def det_sum_scaled_products(g: jax.Array, x: jax.Array, scale: jax.Array, *,
   if be.kernel and x.size:
     return _kernel_products(g, x, scale, interpret=be.interpret)
   products = g.astype(jnp.float32) * (x.astype(jnp.float32) * scale[:, None])
-  return _reduce("det_sum", "sum", products, 0, False, impl)
+  return det_sum(products, axis=0, implementation=impl)
 
 
 @_backend.kernel_jit(static_argnames=("interpret",))
