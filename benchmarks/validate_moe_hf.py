@@ -16,6 +16,12 @@ perturbed so that they matter) is saved with ``save_pretrained`` and loaded with
 
     python benchmarks/validate_moe_hf.py --out benchmarks/results/moe_hf_h200.md
     python benchmarks/validate_moe_hf.py --self-check   # the JAX half only, no torch
+    python benchmarks/validate_moe_hf.py --shape real --layers 2   # real widths
+
+``--shape real`` builds the same checks at the released models' widths (Qwen3-30B-A3B:
+hidden 2048, 128 experts, top-8, expert FFN 768, vocabulary 151936; Mixtral-8x7B: hidden
+4096, 8 experts, top-2, FFN 14336, vocabulary 32000) with ``--layers`` layers, the torch
+model initialised on the GPU.
 """
 
 from __future__ import annotations
@@ -49,19 +55,46 @@ ARCH = {
     "mixtral": dict(intermediate_size=64, num_local_experts=8, rms_norm_eps=1e-5,
                     sliding_window=None, router_jitter_noise=0.0),
 }
+# The released models' widths (config.json of Qwen/Qwen3-30B-A3B and
+# mistralai/Mixtral-8x7B-v0.1), for ``--shape real``.
+REAL_COMMON = dict(num_attention_heads=32, head_dim=128, rope_theta=1000000.0,
+                   tie_word_embeddings=False, hidden_act="silu")
+REAL = {
+    "qwen3_moe": dict(REAL_COMMON, vocab_size=151936, hidden_size=2048,
+                      intermediate_size=6144, num_key_value_heads=4,
+                      max_position_embeddings=40960, bos_token_id=151643,
+                      eos_token_id=151645, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], rms_norm_eps=1e-6, attention_bias=False,
+                      use_sliding_window=False, router_aux_loss_coef=0.001),
+    "mixtral": dict(REAL_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_key_value_heads=8, max_position_embeddings=32768, bos_token_id=1,
+                    eos_token_id=2, num_local_experts=8, num_experts_per_tok=2,
+                    rms_norm_eps=1e-5, sliding_window=None, router_jitter_noise=0.0,
+                    router_aux_loss_coef=0.02),
+}
 PROMPT_LEN, BATCH, GREEDY = 32, 2, 16
 LOGIT_TOL = 3e-6  # max |ours - hf| / max |hf|
 TORCH_DEVICE = "cuda"
 
 
-def _hf_model(arch: str, path: str, seed: int):
+def hf_kwargs(arch: str, shape: str, layers: int | None) -> dict:
+  """The ``transformers`` config fields of ``arch`` at ``shape`` (``"tiny"`` or ``"real"``)."""
+  kw = dict(COMMON, **ARCH[arch]) if shape == "tiny" else dict(REAL[arch])
+  if layers is not None:
+    kw["num_hidden_layers"] = layers
+  return kw
+
+
+def _hf_model(arch: str, path: str, seed: int, kw: dict):
   import torch
   from transformers import AutoConfig, AutoModelForCausalLM
 
-  cfg = AutoConfig.for_model(arch, **COMMON, **ARCH[arch])
+  cfg = AutoConfig.for_model(arch, **kw)
   torch.manual_seed(seed)
-  model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
-                                           dtype=torch.float32)
+  with torch.device(TORCH_DEVICE):  # real widths: initialise where the model runs
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                             dtype=torch.float32)
   with torch.no_grad():  # norms at 1 and a 0.02 router would hide mistakes: perturb them
     for name, p in model.named_parameters():
       if name.endswith("norm.weight"):
@@ -128,17 +161,17 @@ def check_ours(path: str, tokens: np.ndarray, ref: np.ndarray, ref_greedy: np.nd
   return row
 
 
-def run_one(arch: str, seed: int) -> dict:
+def run_one(arch: str, seed: int, kw: dict) -> dict:
   import torch
   from transformers import AutoModelForCausalLM
 
   torch.backends.cuda.matmul.allow_tf32 = False
   torch.backends.cudnn.allow_tf32 = False
-  tokens = np.random.default_rng(seed).integers(2, COMMON["vocab_size"],
+  tokens = np.random.default_rng(seed).integers(2, kw["vocab_size"],
                                                 (BATCH, PROMPT_LEN)).astype(np.int64)
   with tempfile.TemporaryDirectory() as hf_dir, tempfile.TemporaryDirectory() as our_dir:
     t0 = time.perf_counter()
-    hf = _hf_model(arch, hf_dir, seed)
+    hf = _hf_model(arch, hf_dir, seed, kw)
     ref = _hf_logits(hf, tokens)
     hf_tok, margins = _hf_greedy(hf, tokens, GREEDY)
     row = check_ours(hf_dir, tokens, ref, hf_tok, margins)
@@ -146,6 +179,7 @@ def run_one(arch: str, seed: int) -> dict:
     models.save_pretrained(row.pop("model"), our_dir)
     back = AutoModelForCausalLM.from_pretrained(our_dir, attn_implementation="eager",
                                                 dtype=torch.float32).eval()
+    del hf
     rt = _hf_logits(back, tokens)
     row["roundtrip_bitwise"] = bool(np.array_equal(rt.view(np.uint32), ref.view(np.uint32)))
     row["roundtrip_maxabs"] = float(np.max(np.abs(rt - ref)))
@@ -154,13 +188,13 @@ def run_one(arch: str, seed: int) -> dict:
   return row
 
 
-def self_check(seed: int) -> list[dict]:
+def self_check(seed: int, shape: str = "tiny", layers: int | None = None) -> list[dict]:
   """The JAX half without torch: each architecture's tiny config as a random
   ``DecoderLM``, saved with our ``save_pretrained``; the reference is the model's own
   logits and greedy tokens (so every check must pass exactly)."""
   rows = []
   for arch in ARCH:
-    cfg = models.from_hf_dict(dict(COMMON, **ARCH[arch], model_type=arch))
+    cfg = models.from_hf_dict(dict(hf_kwargs(arch, shape, layers), model_type=arch))
     model = models.DecoderLM(cfg, rngs=nnx.Rngs(seed))
     tokens = np.random.default_rng(seed).integers(2, cfg.vocab_size, (BATCH, PROMPT_LEN))
     with tempfile.TemporaryDirectory() as d:
@@ -178,12 +212,22 @@ def self_check(seed: int) -> list[dict]:
   return rows
 
 
-def _markdown(rows: list[dict], device: str, versions: str) -> str:
+def _shape_text(shape: str, layers: int | None) -> str:
+  if shape == "tiny":
+    return ("tiny random models (hidden 128, 3 layers, 8 experts, top-2; qwen3_moe with one "
+            "dense layer)")
+  n = f"{layers} layers" if layers is not None else "all layers"
+  return (f"real widths, {n}, random weights (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, "
+          "expert FFN 768, vocabulary 151936; Mixtral-8x7B: hidden 4096, 8 experts, top-2, FFN "
+          "14336, vocabulary 32000)")
+
+
+def _markdown(rows: list[dict], device: str, versions: str, shape_text: str) -> str:
   lines = [
       "# jaxrl_kernels.models MoE (qwen3_moe, mixtral) against transformers",
       "",
       f"device {device}; jax {jax.__version__}; {versions}; "
-      f"{datetime.date.today().isoformat()}.",
+      f"{datetime.date.today().isoformat()}; {shape_text}.",
       f"Batch {BATCH} x {PROMPT_LEN} random tokens, float32, HF eager attention, TF32 off; "
       f"logit error is max |ours - HF| / max |HF| (target <= {LOGIT_TOL:g}).",
       "",
@@ -204,13 +248,17 @@ def main(argv=None) -> int:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default=None, help="write the markdown table here")
   ap.add_argument("--torch-device", default="cuda")
+  ap.add_argument("--shape", choices=("tiny", "real"), default="tiny",
+                  help="tiny random models, or the released models' widths")
+  ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
   ap.add_argument("--self-check", action="store_true",
                   help="run the JAX half on folders our save_pretrained wrote (no torch)")
   args = ap.parse_args(argv)
   global TORCH_DEVICE
   TORCH_DEVICE = args.torch_device
   if args.self_check:
-    rows, versions = self_check(args.seed), "self-check (no transformers)"
+    rows = self_check(args.seed, args.shape, args.layers)
+    versions = "self-check (no transformers)"
   else:
     import torch
     import transformers
@@ -218,12 +266,13 @@ def main(argv=None) -> int:
     versions = f"torch {torch.__version__}; transformers {transformers.__version__}"
     rows = []
     for arch in args.archs.split(","):
-      row = run_one(arch, args.seed)
+      row = run_one(arch, args.seed, hf_kwargs(arch, args.shape, args.layers))
       print(f"{arch:9s} logits {row['max_rel']:.2e} greedy: {row['greedy']} round trip "
             f"{row['roundtrip_bitwise']} [{row['seconds']:.0f} s] "
             f"{'ok' if row['ok'] else 'MISMATCH'}", flush=True)
       rows.append(row)
-  table = _markdown(rows, jax.devices()[0].device_kind, versions)
+  table = _markdown(rows, jax.devices()[0].device_kind, versions,
+                    _shape_text(args.shape, args.layers))
   print(table)
   if args.out:
     with open(args.out, "w") as f:
