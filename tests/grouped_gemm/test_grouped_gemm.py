@@ -16,7 +16,8 @@ from helpers import TOL, assert_bitwise_equal, rel_err
 
 from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M
 from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul
-from jaxrl_kernels.grouped_gemm.layout import num_tiles
+from jaxrl_kernels.grouped_gemm import layout as layout_mod
+from jaxrl_kernels.grouped_gemm.layout import group_ranks, num_tiles
 from jaxrl_kernels.grouped_gemm.reference import (
   grouped_matmul_grads_reference,
   grouped_matmul_reference,
@@ -57,6 +58,45 @@ def test_layout_places_each_expert_in_its_own_tiles(seed):
     # ascending assignment order, packed from the group's first tile
     np.testing.assert_array_equal(rows, lay.tile_start[ex] * BM + np.arange(counts[ex]))
     assert (lay.tile_expert[rows // BM] == ex).all()
+
+
+def _ranks_reference(ids, groups):
+  counts = np.zeros(groups, np.int64)
+  rank = np.zeros(len(ids), np.int64)
+  for i, g in enumerate(ids):
+    if g < groups:
+      rank[i] = counts[g]
+      counts[g] += 1
+  return counts, rank
+
+
+@pytest.mark.parametrize("limit", [0, layout_mod.ONEHOT_RANK_LIMIT], ids=["sorted", "onehot"])
+@pytest.mark.parametrize("seed", range(3))
+def test_ranks_and_layout_are_the_same_integers_by_either_method(monkeypatch, limit, seed):
+  """Both rank methods (a stable sort; a one-hot prefix count, for small ``A x groups``)
+  give the reference's integers, and so the same layout, with masked assignments too."""
+  rng = np.random.default_rng(seed)
+  e = int(rng.integers(1, 12))
+  a = int(rng.integers(1, 400))
+  ids = rng.integers(0, e + 2, a)  # ids >= e are counted nowhere
+  monkeypatch.setattr(layout_mod, "ONEHOT_RANK_LIMIT", limit)
+  counts, rank = map(np.asarray, group_ranks(jnp.asarray(ids, jnp.int32), e))
+  ref_counts, ref_rank = _ranks_reference(ids, e)
+  np.testing.assert_array_equal(counts, ref_counts)
+  np.testing.assert_array_equal(rank[ids < e], ref_rank[ids < e])
+  valid = ids < e
+  lay = jax.tree.map(np.asarray, group_layout(jnp.asarray(np.where(valid, ids, 0), jnp.int32),
+                                              e, valid=jnp.asarray(valid)))
+  monkeypatch.setattr(layout_mod, "ONEHOT_RANK_LIMIT", 0 if limit else 1 << 30)
+  other = jax.tree.map(np.asarray, group_layout(
+      jnp.asarray(np.where(valid, ids, 0), jnp.int32), e, valid=jnp.asarray(valid)))
+  for name, x, y in zip(lay._fields, lay, other):
+    np.testing.assert_array_equal(x, y, err_msg=name)
+  np.testing.assert_array_equal(lay.dest[~valid], lay.rows)  # masked: out of bounds
+  ends = np.cumsum(lay.tile_count)
+  expect = np.minimum(np.searchsorted(ends, np.arange(len(lay.tile_expert)), side="right"),
+                      e - 1)
+  np.testing.assert_array_equal(lay.tile_expert, expect)
 
 
 @pytest.mark.parametrize("impl", (*IMPLS, "xla"))
