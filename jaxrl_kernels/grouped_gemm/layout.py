@@ -49,33 +49,11 @@ def num_tiles(assignments: int, num_experts: int) -> int:
   return cdiv(assignments, GROUPED_GEMM_BLOCK_M) + min(num_experts, assignments)
 
 
-# Up to this many ``[A, groups]`` elements, ranks come from a one-hot prefix count (a few
-# fused element-wise kernels: the decode and prefill sizes); above it, from a stable sort
-# (memory linear in A). Both are exact integer arithmetic: the same ranks.
-ONEHOT_RANK_LIMIT = 1 << 22
-
-
 def group_ranks(ids: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]:
   """``(counts [num_groups], rank [A])`` of int32 ``ids [A]``: how many ids each group has,
-  and each id's place among its group's in ascending order. Exact and deterministic:
-  integer counts and prefix sums (a one-hot prefix count for ``A * num_groups <=
-  ONEHOT_RANK_LIMIT``, a stable sort above it; the same integers). Ids ``>= num_groups``
-  are counted nowhere; their rank is meaningless."""
-  a = ids.shape[0]
-  if a * num_groups <= ONEHOT_RANK_LIMIT:
-    return _ranks_onehot(ids, num_groups)
-  return _ranks_sorted(ids, num_groups)
-
-
-def _ranks_onehot(ids, num_groups):
-  onehot = (ids[:, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-  counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
-  # The row's own group's count of earlier rows (0 for ids counted nowhere).
-  before = jnp.cumsum(onehot, axis=0, dtype=jnp.int32) - onehot
-  return counts, jnp.sum(before * onehot, axis=1, dtype=jnp.int32)
-
-
-def _ranks_sorted(ids, num_groups):
+  and each id's place among its group's in ascending order (a stable sort and exclusive
+  sums: exact and deterministic). Ids ``>= num_groups`` are counted nowhere; their rank
+  is meaningless."""
   a = ids.shape[0]
   counts = jnp.zeros((num_groups,), jnp.int32).at[ids].add(1, mode="drop")
   order = jnp.argsort(ids, stable=True)
@@ -91,7 +69,7 @@ def group_layout(expert_ids: jax.Array, num_experts: int,
   ``valid`` (bool ``[A]``, optional): assignments that take no row (their ``dest`` is
   ``rows``, out of bounds: a scatter with ``mode="drop"`` skips them, a gather with
   ``mode="fill"`` reads zeros), e.g. the empty slots of an expert-parallel exchange.
-  Integer arithmetic only (counts, prefix sums, a stable sort for large ``A``): exact and
+  Integer arithmetic only (a stable sort, counts, exclusive sums): exact and
   deterministic on every device.
   """
   if expert_ids.ndim != 1 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
