@@ -189,7 +189,7 @@ def run_one(arch: str, seed: int, kw: dict) -> dict:
 
 
 def self_check(seed: int, shape: str = "tiny", layers: int | None = None) -> list[dict]:
-  """The JAX half without torch: each architecture's tiny config as a random
+  """The JAX half without torch: each architecture's config at ``shape`` as a random
   ``DecoderLM``, saved with our ``save_pretrained``; the reference is the model's own
   logits and greedy tokens (so every check must pass exactly)."""
   rows = []
