@@ -7,9 +7,10 @@ reading the logits with ``model.head.logits`` and storing the sampled tokens'
 log-probs from the fused head ``model.head(h, token)`` (the rollout "old"
 log-probs; ``jaxrl_kernels.nn.sample`` is the KV-cache sampler that does the same);
 (2) a toy verifiable reward (the fraction of completion tokens equal to
-``--target-token``); (3) one jitted optimizer step on ``rl.grpo_loss`` (group
-advantages + PPO clip), whose training forward recomputes the log-probs with
-the fused LM head. Every op is batch-invariant and gives the same bits
+``--target-token``); (3) one jitted optimizer step on GRPO (``rl.group_advantages``
+and the PPO clip fused into the LM head, ``model.policy_loss``:
+``rl.linear_policy_loss``), whose training forward recomputes the log-probs with the
+head's kernels. Every op is batch-invariant and gives the same bits
 forward-only and inside ``jax.grad``, so the trainer's log-probs equal the
 sampler's bit for bit: each step prints ``max|dlogp|`` (exactly 0) and how many
 of the completion tokens' log-probs differ in any bit (0), so every ratio is
@@ -69,11 +70,15 @@ def make_train_step(graphdef, rest, tx, samples: int, clip: float):
 
   def loss_fn(params, tokens, old_logp, rewards, mask):
     model = nnx.merge(graphdef, params, rest)
-    logp = model.logp(tokens[:, :-1], tokens[:, 1:], mask)
-    loss, metrics = rl.grpo_loss(logp, old_logp, rewards, samples, mask=mask, clip_low=clip,
-                                 clip_high=clip)
-    # The log-probs the gradient is taken of, against the sampler's, on the raw bits.
-    lp = jax.lax.stop_gradient(logp)
+    # GRPO: group advantages, then the clipped objective fused into the LM head (the loss's
+    # gradient is formed where the logits live; the [B, T, V] logits never exist).
+    adv = rl.group_advantages(rewards, samples, mask=jnp.any(mask, axis=-1))
+    loss, metrics = model.policy_loss(tokens[:, :-1], tokens[:, 1:], mask, old_logp=old_logp,
+                                      advantages=adv, clip_low=clip, clip_high=clip)
+    # The log-probs the gradient is taken of (bitwise model.logp's), against the sampler's,
+    # on the raw bits.
+    lp = metrics.pop("logp")
+    metrics.pop("entropy")
     drift = jnp.max(jnp.where(mask, jnp.abs(lp - old_logp), 0.0))
     differ = mask & (jax.lax.bitcast_convert_type(lp, jnp.uint32)
                      != jax.lax.bitcast_convert_type(old_logp, jnp.uint32))

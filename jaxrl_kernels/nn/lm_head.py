@@ -105,9 +105,20 @@ class LMHead(nnx.Module):
     """``[..., T, H]`` hidden states -> ``(loss, metrics)`` of
     :func:`jaxrl_kernels.rl.linear_policy_loss` (the policy loss fused into this head;
     ``objective``: its keyword arguments, ``old_logp`` and ``advantages`` at least).
-    ``metrics["logp"]`` is bitwise ``self(h, targets, mask, temperature)``."""
+    ``metrics["logp"]`` is bitwise ``self(h, targets, mask, temperature)``.
+
+    ``implementation="xla"`` (the stock path, which has no fused objective) computes the
+    unfused composition, :func:`~jaxrl_kernels.rl.policy_loss` of this head's ``logp`` and
+    ``entropy``: the same loss and metrics to float rounding, so one training step serves
+    both paths (``config``, the fused backward's, does not apply there)."""
     from jaxrl_kernels import rl  # noqa: PLC0415 - rl sits above the head's kernels
 
+    if self.implementation == "xla":
+      objective.pop("config", None)
+      logp, entropy = self(h, targets, mask, temperature, return_entropy=True)
+      loss, metrics = rl.policy_loss(logp, entropy=entropy, mask=mask, **objective)
+      stop = jax.lax.stop_gradient
+      return loss, {**metrics, "logp": stop(logp), "entropy": stop(entropy)}
     return rl.linear_policy_loss(self.hidden(h), self.weight(), targets, mask=mask,
                                  bias=self.bias_value(), temperature=temperature,
                                  weight_layout=self.weight_layout, fp32_head=self.fp32_head,

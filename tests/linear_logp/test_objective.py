@@ -236,6 +236,41 @@ def test_masked_rows_are_inert_and_an_active_nan_is_not_hidden():
   assert np.isnan(float(loss_n)) and np.isnan(float(m_n["logp"][tuple(active)]))
 
 
+def test_the_stock_head_computes_the_unfused_composition():
+  """``LMHead.policy_loss`` on ``implementation="xla"`` (no fused objective there): the
+  unfused ``policy_loss(linear_logp(...))``, with the fused head's metric names, its loss
+  and gradients equal to the fused head's to float rounding, and ``config`` not applying."""
+  from flax import nnx
+
+  from jaxrl_kernels.linear_logp import BackwardConfig
+  from jaxrl_kernels.nn.lm_head import LMHead
+
+  d = _inputs("float32", seed=7)
+  kw = dict(old_logp=d["old"], advantages=d["adv"], ref_logp=d["ref"], beta=0.05,
+            entropy_coef=0.01)
+  results = {}
+  for impl in ("cpu", "xla"):
+    head = LMHead(H, V, implementation=impl, rngs=nnx.Rngs(0))
+    head.kernel.set_value(d["weight"])
+
+    def loss(hidden, head=head):
+      return head.policy_loss(hidden, d["targets"], d["mask"], config=BackwardConfig(), **kw)
+
+    (value, metrics), dh = jax.value_and_grad(loss, has_aux=True)(d["hidden"])
+    results[impl] = value, metrics, dh
+  (l_f, m_f, dh_f), (l_s, m_s, dh_s) = results["cpu"], results["xla"]
+  assert sorted(m_f) == sorted(m_s)
+  value_tol, grad_tol = TOL["float32"]
+  assert rel_err(l_s, l_f) <= value_tol, (float(l_s), float(l_f))
+  assert rel_err(dh_s, dh_f) <= grad_tol
+  for name in ("logp", "entropy"):
+    assert rel_err(m_s[name], m_f[name]) <= value_tol, name
+  lp, ent = jk.linear_logp(d["hidden"], d["weight"], d["targets"], mask=d["mask"],
+                           return_entropy=True, implementation="xla")
+  unfused = rl.policy_loss(lp, entropy=ent, mask=d["mask"], **kw)[0]
+  assert rel_err(l_s, unfused) <= value_tol
+
+
 def _not_scalar(logp, entropy, operands, cfg):
   return logp, {}
 
