@@ -41,6 +41,7 @@ from jax.experimental import checkify
 
 from jaxrl_kernels import _validation as val
 from jaxrl_kernels.linear_logp.objective import linear_objective
+from jaxrl_kernels.linear_logp.vocab_parallel_objective import vocab_parallel_linear_objective
 from jaxrl_kernels.reduce.masked import (
     AxisNames,
     as_axis_names,
@@ -789,7 +790,8 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
                        bias: jax.Array | None = None, temperature: float | jax.Array = 1.0,
                        weight_layout: str = "hv", fp32_head: bool = False,
                        implementation: str | None = None,
-                       config=None) -> tuple[jax.Array, Metrics]:
+                       config=None, vocab_axis=None, vocab_size: int | None = None,
+                       merge: str = "all_gather") -> tuple[jax.Array, Metrics]:
   r""":func:`policy_loss` of the LM head's log-probs, fused into the head.
 
   ``hidden @ W (+ bias)`` at ``temperature`` gives the trained policy's ``logp`` of
@@ -815,6 +817,12 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
       ``BackwardConfig(passes=3)``: ``objective="ppo"`` runs the three-GEMM head (the
       logits once per token chunk; the per-token gradient of this loss, whose weights come
       from the mask and the counts before the pass); ``"gspo"`` keeps the four-GEMM head.
+    vocab_axis, vocab_size, merge: the vocab-parallel (tensor-parallel) head, inside
+      ``shard_map``: ``weight`` (and ``bias``) is this device's vocabulary shard over the
+      mesh axis ``vocab_axis``, ``vocab_size`` the real vocabulary size
+      (:func:`~jaxrl_kernels.linear_logp.vocab_parallel_objective.vocab_parallel_linear_objective`;
+      four GEMMs whatever ``config.passes``). The tokens and the objective's arrays are the
+      same on every device of ``vocab_axis``, so ``axis_names`` must not name it.
     Other arguments: as in :func:`policy_loss`.
 
   Returns:
@@ -841,6 +849,20 @@ def linear_policy_loss(hidden: jax.Array, weight: jax.Array, targets: jax.Array,
     hash(cfg)
   except TypeError as e:
     raise TypeError(f"{fn}: hyper-parameters must be numbers, strings or arrays: {e}") from None
+  if vocab_axis is not None:
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
+    if vocab_axis in names:
+      raise ValueError(f"{fn}: axis_names {axis_names!r} must not name vocab_axis "
+                       f"{vocab_axis!r}: the tokens are the same on each of its devices")
+    if vocab_size is None:
+      raise ValueError(f"{fn}: vocab_axis={vocab_axis!r} needs vocab_size (the real "
+                       f"vocabulary size; weight is one device's shard)")
+    loss, metrics, logp, ent = vocab_parallel_linear_objective(
+        hidden, weight, targets, _policy_objective, operands, axis_name=vocab_axis,
+        vocab_size=vocab_size, cfg=cfg, entropy_grad=not _is_zero(entropy_coef),
+        mask=mask, bias_shard=bias, temperature=temperature, weight_layout=weight_layout,
+        fp32_head=fp32_head, merge=merge, implementation=implementation, config=config)
+    return loss, {**metrics, "logp": logp, "entropy": ent}
   token_grad = token_ops = None
   if objective == "ppo" and getattr(config, "passes", None) == 3:
     # A token-level objective: the three-GEMM head (linear_objective's token_grad).

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -306,7 +307,35 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
   unsharded gradient, not TP-bitwise. Forward-mode
   autodiff is not supported (a ``custom_vjp``).
   """
-  op = "vocab_parallel_linear_logp"
+  prepared = prepare("vocab_parallel_linear_logp", hidden, weight_shard, targets,
+                     axis_name=axis_name, vocab_size=vocab_size, mask=mask,
+                     bias_shard=bias_shard, temperature=temperature,
+                     return_entropy=return_entropy, weight_layout=weight_layout,
+                     fp32_head=fp32_head, merge=merge, implementation=implementation,
+                     config=config, validate=validate)
+  if prepared.args is None:
+    logp = ent = jnp.zeros(prepared.lead, jnp.float32)
+    return (logp, ent) if return_entropy else logp
+  logp, ent = _fused(*prepared.args, prepared.static)
+  logp, ent = logp.reshape(prepared.lead), ent.reshape(prepared.lead)
+  return (logp, ent) if return_entropy else logp
+
+
+class Prepared(NamedTuple):
+  """A validated call: the kernel statics, the ``[T]``-row arguments of the fused op
+  (``hidden, weight, bias, temperature, targets, mask``; None when there are no tokens)
+  and the token shape."""
+
+  static: _Static
+  args: tuple | None
+  lead: tuple[int, ...]
+
+
+def prepare(op: str, hidden, weight_shard, targets, *, axis_name, vocab_size: int, mask,
+            bias_shard, temperature, return_entropy: bool, weight_layout: str,
+            fp32_head: bool, merge: str, implementation, config, validate: bool) -> Prepared:
+  """The checks and the row layout of :func:`vocab_parallel_linear_logp` (``op`` names the
+  caller in errors), shared with the vocab-parallel fused objective."""
   _validation.check_choice(op, "merge", merge, MERGES)
   _validation.check_choice(op, "weight_layout", weight_layout, api.LAYOUTS)
   _validation.check_bool(op, "validate", validate)
@@ -342,8 +371,7 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
   lead = x.targets.shape
   t = math.prod(lead)
   if t == 0:
-    logp = ent = jnp.zeros(lead, jnp.float32)
-    return (logp, ent) if return_entropy else logp
+    return Prepared(None, None, lead)
   h2 = x.hidden.reshape(t, x.hidden.shape[-1])
   t2 = x.targets.reshape(t)
   m2 = None if x.mask is None else x.mask.reshape(t)
@@ -352,9 +380,7 @@ def vocab_parallel_linear_logp(hidden: jax.Array, weight_shard: jax.Array, targe
   h2, w = api.with_features(api.zero_masked_rows(h2, m2), x.weight, weight_layout)
   st = _Static(weight_layout, x.compute_dtype.name, impl, vocab_size, axis_name, tp, v_s, merge,
                config, check_vma, bool(return_entropy))
-  logp, ent = _fused(h2, w, x.bias, sp.temperature_scalar(x.temperature), t2, m2, st)
-  logp, ent = logp.reshape(lead), ent.reshape(lead)
-  return (logp, ent) if return_entropy else logp
+  return Prepared(st, (h2, w, x.bias, sp.temperature_scalar(x.temperature), t2, m2), lead)
 
 
 def _weight_axis(weight_spec, layout: str, mesh: Mesh):
