@@ -43,7 +43,7 @@ from flax import nnx, traverse_util
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_kernels import _compat
+from jaxrl_kernels import _compat, rl
 from jaxrl_kernels.linear_logp import LogitStats, padded_vocab_size, vocab_parallel_linear_logp
 from jaxrl_kernels.linear_logp import api as linear_logp_api
 from jaxrl_kernels.models.decoder import DecoderLM, MoEMLP, RowParallelLinear
@@ -265,6 +265,17 @@ class _VocabParallelHead:
         weight_layout=head.weight_layout, fp32_head=head.fp32_head,
         merge="psum" if plan.merge == "psum" else "all_gather",
         implementation=head.implementation)
+
+  def policy_loss(self, h, targets, mask=None, *, temperature=1.0, **objective):
+    """:func:`jaxrl_kernels.rl.linear_policy_loss` on this device's vocabulary shard
+    (``vocab_axis``): ``logp``, ``entropy`` and the loss bitwise the unsharded head's."""
+    head, plan = self.head, self.plan
+    return rl.linear_policy_loss(
+        head.hidden(h), head.weight(), targets, mask=mask, bias=head.bias_value(),
+        temperature=temperature, weight_layout=head.weight_layout, fp32_head=head.fp32_head,
+        implementation=head.implementation, vocab_axis=plan.par.tp,
+        vocab_size=plan.vocab_size, merge="psum" if plan.merge == "psum" else "all_gather",
+        **objective)
 
   def logits(self, h, temperature=1.0, return_stats=False):
     """float32 ``[..., V]`` logits, each bitwise the unsharded head's (one H-reduction per
@@ -622,6 +633,49 @@ class ShardedDecoderLM(nnx.Module):
                     return_entropy=return_entropy)
 
     return self._run(call, arrays, specs, out)
+
+  def policy_loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                  *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                  max_docs: int | None = None, temperature: float = 1.0, old_logp=None,
+                  advantages=None, ref_logp=None, **objective):
+    """``DecoderLM.policy_loss`` (the policy loss fused into the head) on every device's rows,
+    the token counts global over ``(dp, fsdp)``: the unsharded model's loss and metrics
+    (``metrics["logp"]`` bitwise), gradients with fsdp and dp as :meth:`logp`'s (tp > 1:
+    forward only, its head the vocab-parallel fused loss).
+    ``advantages`` is ``[B]`` or ``[B, T]``; the other objective arguments are those of
+    :func:`jaxrl_kernels.rl.linear_policy_loss` (not ``axis_names``: the batch axes are
+    this model's)."""
+    name = f"{_OP}.policy_loss"
+    if "axis_names" in objective:
+      raise ValueError(f"{name}: axis_names is set by the sharded model (its batch axes "
+                       f"{self.plan.par.batch_axes}); leave it out")
+    if old_logp is None or advantages is None:
+      raise TypeError(f"{name}: old_logp and advantages are required")
+    tokens, o = self._tokens(tokens, targets=targets, mask=mask, positions=positions,
+                             segment_ids=segment_ids, old_logp=old_logp, ref_logp=ref_logp)
+    advantages = jnp.asarray(advantages)
+    if advantages.shape not in (tokens.shape[:1], tokens.shape):
+      raise ValueError(f"{name}: advantages must be [B] or [B, T] = {tokens.shape}, got "
+                       f"{advantages.shape}")
+    spec = self.plan.batch_spec(2)
+    t_arr, t_static = _temperature(temperature)
+    arrays = (tokens, o["targets"], o["mask"], o["positions"], o["segment_ids"], t_arr,
+              o["old_logp"], advantages, o["ref_logp"])
+    specs = ((spec,) * 5 + (PartitionSpec(),)
+             + (spec, self.plan.batch_spec(advantages.ndim), spec))
+    axes = self.plan.par.batch_axes
+
+    def call(m, tok, tgt, mask, pos, seg, temp, old, adv, ref):
+      loss, metrics = m.policy_loss(
+          tok, tgt, mask, positions=pos, segment_ids=seg, max_docs=max_docs,
+          temperature=t_static if temp is None else temp, old_logp=old, advantages=adv,
+          ref_logp=ref, axis_names=axes, **objective)
+      per_token = {k: metrics.pop(k) for k in ("logp", "entropy")}
+      return loss, metrics, per_token  # loss and metrics global over the batch axes
+
+    loss, metrics, per_token = self._run(call, arrays, specs,
+                                         (PartitionSpec(), PartitionSpec(), spec))
+    return loss, {**metrics, **per_token}
 
   def logits(self, tokens: jax.Array, *, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None, max_docs: int | None = None,
