@@ -149,13 +149,19 @@ def _named(dh, dw, db):
   return dh, dw, db
 
 
-def _fused_bwd(st, res, cts):
-  dh, dw, db = res
-  ct = jnp.asarray(cts[0], jnp.float32)
-  dh = (ct * dh).astype(st.hidden_dtype)
+def scaled(grads, ct, hidden_dtype: str, bias_dtype: str | None):
+  """The stored ``(dh, dw, db)`` times the float32 loss cotangent ``ct``, each rounded to its
+  parameter's dtype."""
+  dh, dw, db = grads
+  dh = (ct * dh).astype(hidden_dtype)
   dw = (ct * dw.astype(jnp.float32)).astype(dw.dtype)
   if db is not None:
-    db = (ct * db).astype(st.bias_dtype)
+    db = (ct * db).astype(bias_dtype)
+  return dh, dw, db
+
+
+def _fused_bwd(st, res, cts):
+  dh, dw, db = scaled(res, jnp.asarray(cts[0], jnp.float32), st.hidden_dtype, st.bias_dtype)
   # No gradient to the temperature, the ids, the mask or the objective's operands; the
   # metrics (aux, logp, entropy) carry none.
   return dh, dw, db, None, None, None, None

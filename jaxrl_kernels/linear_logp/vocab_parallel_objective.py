@@ -74,16 +74,12 @@ def _fused_fwd(hidden, weight, bias, temp, targets, mask, operands, st: _Static)
 
 
 def _fused_bwd(st: _Static, res, cts):
-  dh, dw, db = res
   ct = jnp.asarray(cts[0], jnp.float32)
   if not st.head.check_vma:
     # shard_map(check_vma=False) hands each device 1/tp of a replicated output's
     # cotangent: the sum restores it (as vocab_parallel_linear_logp's backward does).
     ct = lax.psum(ct, st.head.axis_name)
-  dh = (ct * dh).astype(st.hidden_dtype)
-  dw = (ct * dw.astype(jnp.float32)).astype(dw.dtype)
-  if db is not None:
-    db = (ct * db).astype(st.bias_dtype)
+  dh, dw, db = objective.scaled(res, ct, st.hidden_dtype, st.bias_dtype)
   return dh, dw, db, None, None, None, None
 
 
