@@ -93,6 +93,8 @@ def opaque_zero(x: jax.Array) -> jax.Array:
   XLA's simplifier nor LLVM's known-bits analysis derives that, so a value
   XORed with it (:func:`guard`) stays opaque to both.
   """
+  if x.size == 0:  # nothing to guard (an empty batch): any zero will do
+    return jnp.zeros((), jnp.uint32)
   n = lax.bitcast_convert_type(jnp.reshape(x, (-1,))[0].astype(jnp.float32), jnp.uint32)
   return (n * (n + jnp.uint32(1))) & jnp.uint32(1)
 

@@ -89,7 +89,8 @@ def grouped_matmul(lhs: jax.Array, w: jax.Array, layout: GroupLayout, *,
       kernels) or None (by device).
 
   Returns:
-    ``[P, N]`` in ``out_dtype``; rows outside every group are zero.
+    ``[P, N]`` in ``out_dtype``; rows outside every group are zero. ``P = 0`` (no
+    assignments) gives ``[0, N]`` and zero gradients.
 
   Gradients (``jax.custom_vjp``): ``dlhs`` by the same tile walk (rows invariant),
   ``dw[e]`` summing expert ``e``'s row tiles in ascending order (deterministic).
@@ -114,4 +115,6 @@ def grouped_matmul(lhs: jax.Array, w: jax.Array, layout: GroupLayout, *,
   out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else
                         _validation.as_float_dtype(_OP, "out_dtype", out_dtype, _FLOAT_DTYPES))
   impl = resolve_implementation(implementation, lhs.dtype)
+  if lhs.shape[0] == 0:  # no assignments (an empty batch): the kernels need a row tile
+    return jnp.zeros((0, w.shape[1] if transpose_w else w.shape[2]), out_dtype)
   return _grouped(lhs, w, layout, bool(transpose_w), out_dtype, impl)

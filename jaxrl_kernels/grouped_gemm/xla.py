@@ -2,7 +2,9 @@
 
 The baseline benchmarks and the stock-path controls compare against: XLA picks
 the product's blocking by the whole shape, so a row's bits are not guaranteed to
-be independent of the other rows.
+be independent of the other rows. Nor are its non-finite values: on the CPU, a NaN or
+inf in any expert's weight makes every row NaN (docs/moe.md), where the other
+implementations confine it to that expert's rows.
 """
 
 from __future__ import annotations

@@ -406,7 +406,12 @@ def from_hf_dict(d: dict[str, Any], *, source: str = "config.json") -> DecoderCo
   ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``,
   ``router_aux_loss_coef``; Mixtral ``num_local_experts``, ``num_experts_per_tok``,
   ``router_aux_loss_coef`` (its experts are ``intermediate_size`` wide, their top-k
-  weights always renormalized).
+  weights always renormalized). Absent, they take ``transformers``' defaults; null, they
+  are refused (``transformers`` 5 refuses them and no version runs with them), except
+  ``mlp_only_layers`` (null: none), ``norm_topk_prob`` (null: false, as ``transformers`` 4
+  reads it) and Mixtral's ``router_jitter_noise``. Keys of other MoE architectures (e.g.
+  Qwen2-MoE's ``shared_expert_intermediate_size``) are carried in ``extra`` and, like
+  ``transformers``' Qwen3-MoE, ignored; tensors for them are refused by ``from_pretrained``.
   """
   if not isinstance(d, dict):
     raise ValueError(f"{source}: must hold a JSON object, got a {type(d).__name__}")
@@ -520,7 +525,7 @@ def _num_experts(r: _Reader, own: str, default: int) -> int:
   """The expert count under the type's own key or the other one (``num_experts`` /
   ``num_local_experts``: ``transformers`` maps one onto the other); both must agree."""
   other = "num_local_experts" if own == "num_experts" else "num_experts"
-  values = {key: r.int(key) for key in (own, other) if r.d.get(key) is not None}
+  values = {key: r.int(key, null_default=False) for key in (own, other) if key in r.d}
   if len(set(values.values())) > 1:
     raise ValueError(f"{r.source}: num_experts and num_local_experts disagree: {values}")
   return next(iter(values.values()), default)
@@ -529,8 +534,9 @@ def _num_experts(r: _Reader, own: str, default: int) -> int:
 def _read_moe(r: _Reader, model_type: str, defaults: dict) -> dict[str, Any]:
   """The :class:`DecoderConfig` MoE fields of a ``qwen3_moe`` / ``mixtral`` config."""
   d, source = r.d, r.source
-  coef = r.float("router_aux_loss_coef", defaults["router_aux_loss_coef"])
-  k = r.int("num_experts_per_tok", defaults["num_experts_per_tok"])
+  # A null MoE key is refused, never read as the default (transformers refuses it too).
+  coef = r.float("router_aux_loss_coef", defaults["router_aux_loss_coef"], null_default=False)
+  k = r.int("num_experts_per_tok", defaults["num_experts_per_tok"], null_default=False)
   if model_type == "mixtral":
     # Mixtral's attention honours sliding_window (a banded mask); this model attends causally.
     if d.get("sliding_window") is not None:
@@ -554,9 +560,11 @@ def _read_moe(r: _Reader, model_type: str, defaults: dict) -> dict[str, Any]:
   return dict(num_experts=_num_experts(r, "num_experts", defaults["num_experts"]),
               num_experts_per_tok=k,
               moe_intermediate_size=r.int("moe_intermediate_size",
-                                          defaults["moe_intermediate_size"]),
+                                          defaults["moe_intermediate_size"],
+                                          null_default=False),
               norm_topk_prob=r.bool("norm_topk_prob", defaults["norm_topk_prob"]),
-              decoder_sparse_step=r.int("decoder_sparse_step", defaults["decoder_sparse_step"]),
+              decoder_sparse_step=r.int("decoder_sparse_step", defaults["decoder_sparse_step"],
+                                        null_default=False),
               mlp_only_layers=tuple(sorted(set(layers))), router_aux_loss_coef=coef)
 
 

@@ -116,6 +116,10 @@ def _read_folder_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, st
       if not os.path.isfile(shard):
         raise ValueError(f"from_pretrained: {index} lists {file}, which is missing")
       part = read_safetensors(shard)
+      for name in part:
+        if name in tensors:  # which copy is the weight? (the index maps a name to one file)
+          raise ValueError(f"from_pretrained: {path} holds tensor {name} twice (in "
+                           f"{files[name]} and {shard})")
       tensors.update(part)
       files.update(dict.fromkeys(part, shard))
     missing = sorted(set(weight_map) - set(tensors))
@@ -257,7 +261,8 @@ def _split_fused_experts(tensors: dict, files: dict, cfg: DecoderConfig) -> tupl
   """``transformers`` 5's in-memory expert layout, if a folder holds it, as the per-expert
   checkpoint names: ``{block}.experts.gate_up_proj`` ``[E, 2I, H]`` (every expert's gate
   rows, then its up rows) and ``{block}.experts.down_proj`` ``[E, H, I]``, with the block
-  ``mlp`` for Mixtral too (its checkpoints say ``block_sparse_moe``)."""
+  ``mlp`` for Mixtral too (its checkpoints say ``block_sparse_moe``). A weight found both
+  fused and under its own name is refused (no copy is silently chosen)."""
   block, (gate, up, down) = MOE_MODULES[cfg.model_type]
   out, where = dict(tensors), dict(files)
   for name, x in tensors.items():
@@ -276,6 +281,10 @@ def _split_fused_experts(tensors: dict, files: dict, cfg: DecoderConfig) -> tupl
       for e in range(x.shape[0]):
         parts[f"{prefix}.experts.{e}.{gate}.weight"] = x[e, :half]
         parts[f"{prefix}.experts.{e}.{up}.weight"] = x[e, half:]
+    for key in parts:
+      if key in out:  # the per-expert tensor (or another fused one) is there too
+        raise ValueError(f"from_pretrained: tensor {key} is given twice: under its own name "
+                         f"(in {where[key]}) and within {name} (in {files[name]})")
     out.update(parts)
     where.update(dict.fromkeys(parts, files[name]))
   return out, where
@@ -304,7 +313,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   Raises:
     ValueError: naming the file and what is wrong: an unknown ``model_type`` or unsupported
       or mistyped config option (:func:`~jaxrl_kernels.models.config.from_hf_dict`), a
-      missing, unexpected, mis-shaped or non-float tensor, a missing, truncated or malformed
+      missing, unexpected, mis-shaped or non-float tensor, a tensor given twice (in two
+      shards, or fused and per expert), a missing, truncated or malformed
       file (not JSON, a header without ``data_offsets``, ...), an unknown dtype string.
   """
   path = os.fspath(path)

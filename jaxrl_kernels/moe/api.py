@@ -18,14 +18,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxrl_kernels import _validation
 from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.gemm import det_matmul
 from jaxrl_kernels.grouped_gemm import api as grouped_api
 from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul
 from jaxrl_kernels.grouped_gemm.layout import group_ranks
-from jaxrl_kernels.moe.routing import route
+from jaxrl_kernels.moe.routing import check_k, route
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class MoEOutput(NamedTuple):
@@ -117,8 +121,20 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
   Returns:
     :class:`MoEOutput`; ``y`` in ``x``'s dtype.
   """
+  for name, a in (("x", x), ("router", router), ("gate_up", gate_up), ("down", down)):
+    _validation.check_float_array("moe_mlp", name, a, _FLOAT_DTYPES)
+    if a.dtype != x.dtype:
+      raise TypeError(f"moe_mlp: {name} has dtype {a.dtype} but x {x.dtype}; the layer runs "
+                      f"in x's dtype: cast the weights explicitly")
+  if x.ndim < 1 or router.ndim != 2 or gate_up.ndim != 3 or down.ndim != 3:
+    raise ValueError(f"moe_mlp: expected x [..., H], router [H, E], gate_up [E, H, 2I] and "
+                     f"down [E, I, H]; got x {x.shape}, router {router.shape}, gate_up "
+                     f"{gate_up.shape}, down {down.shape}")
+  if not isinstance(normalize, bool | np.bool_):
+    raise TypeError(f"moe_mlp: normalize must be a bool, got {normalize!r}")
   h = x.shape[-1]
   num_experts = router.shape[-1]
+  k = check_k("moe_mlp", k, num_experts)
   ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
   local = gate_up.shape[0]
   if router.shape != (h, num_experts) or gate_up.shape[1] != h or local * ep != num_experts or (
@@ -130,6 +146,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
   stock = not grouped_api.BACKENDS[impl].batch_invariant
   x2 = x.reshape(-1, h)
   t = x2.shape[0]
+  if t == 0:  # an empty batch (the layout's gathers cannot index an empty buffer)
+    return MoEOutput(jnp.zeros(x.shape, x.dtype), jnp.zeros((0, num_experts), jnp.float32),
+                     jnp.zeros((0, num_experts), jnp.float32), jnp.zeros((0, k), jnp.int32))
   # transformers computes the router product in the activation dtype, then softmax in fp32.
   logits = det_matmul(x2, router, implementation=implementation).astype(jnp.float32)
   if stock:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_kernels import _validation
 from jaxrl_kernels._cpu import guard, opaque_zero, tree_sum
 from jaxrl_kernels.pallas.softmax_partials import exp_arith
 from jaxrl_kernels.reduce import det_sum
@@ -60,6 +61,15 @@ def _probs_bwd(p, g):
 router_probs.defvjp(_probs_fwd, _probs_bwd)
 
 
+def check_k(op: str, k, num_experts: int) -> int:
+  """``k`` as an ``int`` in ``[1, num_experts]`` (a TypeError for a bool or a float, a
+  ValueError naming the range otherwise)."""
+  k = _validation.check_int(op, "k", k)
+  if not 1 <= k <= num_experts:
+    raise ValueError(f"{op}: k must be in [1, {num_experts}] (the number of experts), got {k}")
+  return k
+
+
 def route(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Top-``k`` experts and their weights per token.
 
@@ -73,9 +83,7 @@ def route(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax
     descending probability, equal probabilities in ascending expert index. A NaN row
     stays NaN (its weights are NaN), never silently routed.
   """
-  num_experts = logits.shape[-1]
-  if not 1 <= k <= num_experts:
-    raise ValueError(f"route: k must be in [1, {num_experts}] (the number of experts), got {k}")
+  k = check_k("route", k, logits.shape[-1])
   probs = router_probs(logits.astype(jnp.float32))
   iota = lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
   left = probs
@@ -93,36 +101,77 @@ def route(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax
   return jnp.stack(chosen, axis=-1), jnp.stack(experts, axis=-1), probs
 
 
+def _mask_weights(op: str, mask, t: int) -> jax.Array:
+  """float32 ``[T]`` token weights (ones without a mask); the mask's shape is checked (a
+  ``[1]`` or ``[T, 1]`` mask would broadcast silently)."""
+  if mask is None:
+    return jnp.ones((t,), jnp.float32)
+  if jnp.shape(mask) != (t,):
+    raise ValueError(f"{op}: mask must have shape ({t},) (one entry per token), got "
+                     f"{jnp.shape(mask)}")
+  return jnp.asarray(mask).astype(jnp.float32)
+
+
+def _masked(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x * w`` where ``w != 0``, exactly 0 elsewhere: a select, so a NaN or inf at a masked
+  token reaches neither the loss nor any gradient (``NaN * 0`` would)."""
+  return jnp.where(w != 0, x * w, jnp.zeros((), x.dtype))
+
+
+def _mean(total: jax.Array, count: jax.Array) -> jax.Array:
+  """``total / count``, 0 when nothing counts (never NaN; a 0/1 mask's count is 0 or >= 1)."""
+  return total / jnp.where(count > 0, count, jnp.ones((), count.dtype))
+
+
 def load_balancing_loss(probs: jax.Array, experts: jax.Array, mask: jax.Array | None = None, *,
                         implementation: str | None = None) -> jax.Array:
   """The switch-transformer load-balancing loss, as ``transformers``' Mixtral/Qwen3-MoE.
 
   ``E * sum_{j, e} f[j, e] * P[e]``: ``f[j, e]`` the fraction of (unmasked) tokens whose
   rank-``j`` expert is ``e``, ``P[e]`` the mean router probability of expert ``e``.
-  Means over tokens are fixed-order sums (``det_sum``): deterministic run to run.
+  Means over tokens are fixed-order sums (``det_sum``): deterministic run to run. Masked
+  tokens are selected out (a NaN there changes nothing); with no unmasked token the loss
+  is 0.
 
   Args:
     probs: ``[T, E]`` router probabilities (:func:`route`'s third result; several layers
       concatenated along T, as ``transformers`` does).
-    experts: ``[T, k]`` chosen experts.
+    experts: ``[T, k]`` chosen experts, in ``[0, E)`` at unmasked tokens (concrete: a
+      ValueError otherwise; traced: the loss is NaN).
     mask: ``[T]`` bool or 0/1, the tokens that count (None: all).
   """
+  op = "load_balancing_loss"
+  if jnp.ndim(probs) != 2:
+    raise ValueError(f"{op}: probs must be [T, E], got shape {jnp.shape(probs)}")
   t, num_experts = probs.shape
+  if jnp.ndim(experts) != 2 or experts.shape[0] != t:
+    raise ValueError(f"{op}: experts must have shape ({t}, k) (probs is {probs.shape}), got "
+                     f"{jnp.shape(experts)}")
+  w = _mask_weights(op, mask, t)
+  active = jnp.broadcast_to((w != 0)[:, None], experts.shape)
+  _validation.check_ids_in_range(op, "experts", experts, num_experts, active)
+  outside = active & ((experts < 0) | (experts >= num_experts))
   onehot = (experts[..., None] == jnp.arange(num_experts)).astype(jnp.float32)  # [T, k, E]
-  w = jnp.ones((t,), jnp.float32) if mask is None else mask.astype(jnp.float32)
   count = det_sum(w, implementation=implementation)
-  f = det_sum(onehot * w[:, None, None], axis=0, implementation=implementation) / count
-  p = det_sum(probs * w[:, None], axis=0, implementation=implementation) / count
-  return num_experts * det_sum(f * p[None, :], implementation=implementation)
+  f = _mean(det_sum(onehot * w[:, None, None], axis=0, implementation=implementation), count)
+  p = _mean(det_sum(_masked(probs.astype(jnp.float32), w[:, None]), axis=0,
+                    implementation=implementation), count)
+  loss = num_experts * det_sum(f * p[None, :], implementation=implementation)
+  # An expert id outside [0, E) would count for no expert: never a silent finite loss.
+  return jnp.where(jnp.any(outside), jnp.full((), jnp.nan, loss.dtype), loss)
 
 
 def router_z_loss(logits: jax.Array, mask: jax.Array | None = None, *,
                   implementation: str | None = None) -> jax.Array:
-  """ST-MoE's router z-loss: the mean over (unmasked) tokens of ``logsumexp(logits)^2``."""
-  x = logits.astype(jnp.float32)
+  """ST-MoE's router z-loss: the mean over (unmasked) tokens of ``logsumexp(logits)^2``;
+  masked tokens selected out, 0 with none unmasked. ``logits [T, E]``, ``mask [T]``."""
+  if jnp.ndim(logits) != 2:
+    raise ValueError(f"router_z_loss: logits must be [T, E], got shape {jnp.shape(logits)}")
+  w = _mask_weights("router_z_loss", mask, logits.shape[0])
+  # Masked rows read as 0 before the exp: their gradient is then 0, not 0 * NaN.
+  x = jnp.where((w != 0)[:, None], logits.astype(jnp.float32), jnp.zeros((), jnp.float32))
   m = jnp.max(x, axis=-1)
   zero = opaque_zero(x)
   lse = m + jnp.log(tree_sum(exp_arith(x - m[..., None], sep=lambda v: guard(v, zero))))
-  w = jnp.ones(lse.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-  return det_sum(lse * lse * w, implementation=implementation) / det_sum(
-      w, implementation=implementation)
+  return _mean(det_sum(_masked(lse * lse, w), implementation=implementation),
+               det_sum(w, implementation=implementation))

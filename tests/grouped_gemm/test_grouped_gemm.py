@@ -181,3 +181,45 @@ def test_arguments_are_checked():
     grouped_matmul(x, jnp.zeros((2, 8, 5), jnp.bfloat16), lay, implementation="cpu")
   with pytest.raises(ValueError, match="1-D integer"):
     group_layout(jnp.zeros((3,), jnp.float32), 2)
+
+
+def test_out_of_range_expert_ids_are_refused_and_never_take_a_row():
+  """An expert id outside [0, E) is a ValueError naming ``expert_ids`` when concrete; traced
+  (inside ``jit``, where only ``checkify`` can report it), it takes no row: it is counted for
+  no expert and cannot wrap onto the last one or displace another assignment."""
+  ids = np.array([0, 1, -1, 1, 5, 0, 2])
+  with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 3\), got -1 at index 2"):
+    group_layout(jnp.asarray(ids, jnp.int32), 3)
+  # Masked-out assignments may hold anything (e.g. -1): only valid ones are checked.
+  valid = np.array([True, True, False, True, False, True, True])
+  group_layout(jnp.asarray(ids, jnp.int32), 3, valid=jnp.asarray(valid))
+  with pytest.raises(ValueError, match="expert_ids must lie in"):
+    group_layout(jnp.asarray(ids, jnp.int32), 3, valid=jnp.asarray(~valid))
+  lay = jax.tree.map(np.asarray, jax.jit(group_layout, static_argnums=1)(
+      jnp.asarray(ids, jnp.int32), 3))
+  ref = jax.tree.map(np.asarray, group_layout(jnp.asarray(np.where(valid, ids, 0), jnp.int32),
+                                              3, valid=jnp.asarray(valid)))
+  for name, got, want in zip(lay._fields, lay, ref, strict=True):
+    np.testing.assert_array_equal(got, want, err_msg=name)
+  np.testing.assert_array_equal(lay.dest[~valid], lay.rows)
+  np.testing.assert_array_equal(lay.tile_count, [1, 1, 1])
+  counts, _ = group_ranks(jnp.asarray([-1, 0, 3, 2], jnp.int32), 3)
+  np.testing.assert_array_equal(counts, [1, 0, 1])  # -1 and 3 counted nowhere
+  with pytest.raises(ValueError, match="num_experts must be >= 1"):
+    group_layout(jnp.zeros((3,), jnp.int32), 0)
+  with pytest.raises(ValueError, match=r"valid must be a bool array of shape \(3,\)"):
+    group_layout(jnp.zeros((3,), jnp.int32), 2, valid=jnp.ones((1,), bool))
+
+
+@pytest.mark.parametrize("impl", (*IMPLS, "xla"))
+def test_no_assignments_give_an_empty_product(impl):
+  """Zero assignments (an empty batch): a layout of zero rows, an empty result and zero
+  weight gradients, on every implementation."""
+  lay = group_layout(jnp.zeros((0,), jnp.int32), 3)
+  assert lay.rows == 0
+  w = jnp.ones((3, 8, 5), jnp.float32)
+  x = jnp.zeros((0, 8), jnp.float32)
+  out, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, lay, implementation=impl), x, w)
+  assert out.shape == (0, 5)
+  dx, dw = vjp(jnp.zeros((0, 5), jnp.float32))
+  assert dx.shape == (0, 8) and dw.shape == w.shape and not np.asarray(dw).any()

@@ -255,7 +255,18 @@ def test_config_defaults_are_transformers():
     ("qwen3_moe", dict(num_experts_per_tok=5), "num_experts_per_tok must be in"),
     ("qwen3_moe", dict(num_experts_per_tok=0), "num_experts_per_tok must be an int"),
     ("qwen3_moe", dict(num_experts=0), "num_experts must be an int"),
-    ("qwen3_moe", dict(moe_intermediate_size=None), None),  # null: the default 768, fine
+    # null is not "absent": transformers refuses it, so no default is silently taken.
+    ("qwen3_moe", dict(moe_intermediate_size=None), "moe_intermediate_size must be an int"),
+    ("qwen3_moe", dict(num_experts_per_tok=None), "num_experts_per_tok must be an int"),
+    ("qwen3_moe", dict(num_experts=None), "num_experts must be an int"),
+    ("qwen3_moe", dict(decoder_sparse_step=None), "decoder_sparse_step must be an int"),
+    ("qwen3_moe", dict(router_aux_loss_coef=None), "router_aux_loss_coef must be a number"),
+    ("mixtral", dict(num_experts_per_tok=None), "num_experts_per_tok must be an int"),
+    ("mixtral", dict(num_local_experts=None), "num_local_experts must be an int"),
+    ("mixtral", dict(num_local_experts=4, num_experts=None), "num_experts must be an int"),
+    # Qwen2-MoE's shared experts are not implemented: refused by its model_type.
+    ("qwen3_moe", dict(model_type="qwen2_moe", shared_expert_intermediate_size=64),
+     "model_type must be one of"),
     ("qwen3_moe", dict(mlp_only_layers=[2]), "mlp_only_layers must be a tuple"),
     ("qwen3_moe", dict(mlp_only_layers="0"), "mlp_only_layers must be a list"),
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step must be an int"),
@@ -266,9 +277,6 @@ def test_config_defaults_are_transformers():
 ])
 def test_bad_moe_config_named_error(variant, change, match):
   cfg = dict(_hf_config(variant), **change)
-  if match is None:
-    assert models.from_hf_dict(cfg).moe_intermediate_size == 768
-    return
   with pytest.raises(ValueError, match=match):
     models.from_hf_dict(cfg)
 
@@ -496,6 +504,55 @@ def test_missing_expert_tensor_named(folder, tmp_path):
   name = f"{block}.experts.2.{u}.weight"
   path = _write_folder(tmp_path / "m", cfg, {k: v for k, v in weights.items() if k != name})
   with pytest.raises(ValueError, match=f"tensor {name} .* is missing"):
+    models.from_pretrained(path)
+
+
+def test_tensors_without_a_place_are_refused(folder, tmp_path):
+  """A shared expert (Qwen2-MoE's, under a qwen3_moe or mixtral config that transformers
+  would load without it) and an expert index >= E: refused, naming the tensor."""
+  _, cfg, weights, _ = folder
+  block, (g, _, _) = _moe_names(cfg, L - 1)
+  for name in (f"{block}.shared_expert.gate_proj.weight", f"{block}.experts.{E}.{g}.weight"):
+    path = _write_folder(tmp_path / str(len(name)), cfg,
+                         dict(weights, **{name: np.zeros((I_MOE, H), np.float32)}))
+    with pytest.raises(ValueError, match=f"no place for: \\['{name}'\\]"):
+      models.from_pretrained(path)
+
+
+def test_an_expert_tensor_given_twice_is_refused(folder, tmp_path):
+  """A folder holding one weight under two names (transformers 5's fused expert tensor
+  beside the per-expert ones, Mixtral's router as ``mlp.gate`` beside
+  ``block_sparse_moe.gate``) or in two shards: a ValueError naming the tensor, never one
+  copy silently chosen."""
+  _, cfg, weights, _ = folder
+  block, (_, _, d) = _moe_names(cfg, L - 1)
+  down = np.stack([weights[f"{block}.experts.{e}.{d}.weight"] for e in range(E)])
+  both = dict(weights, **{f"model.layers.{L - 1}.mlp.experts.down_proj": 2 * down})
+  path = _write_folder(tmp_path / "fused", cfg, both)
+  with pytest.raises(ValueError, match=rf"{block}.experts.0.{d}.weight .*twice"):
+    models.from_pretrained(path)
+  if cfg["model_type"] == "mixtral":
+    gate = weights[f"{block}.gate.weight"]
+    both = dict(weights, **{f"model.layers.{L - 1}.mlp.gate.weight": 3 * gate})
+    path = _write_folder(tmp_path / "gate", cfg, both)
+    with pytest.raises(ValueError, match=rf"{block}.gate.weight .*twice"):
+      models.from_pretrained(path)
+  # Two shards, both holding one expert's tensor (with other values): the index maps it to
+  # one file, transformers would read both.
+  name = f"{block}.experts.1.{d}.weight"
+  path = str(tmp_path / "sharded")
+  os.makedirs(path)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  rest = {k: v for k, v in weights.items() if k != name}
+  write_safetensors(rest, os.path.join(path, "model-00001-of-00002.safetensors"))
+  write_safetensors({name: weights[name], "lm_head.weight": weights["lm_head.weight"] * 2},
+                    os.path.join(path, "model-00002-of-00002.safetensors"))
+  weight_map = dict.fromkeys(rest, "model-00001-of-00002.safetensors")
+  weight_map[name] = "model-00002-of-00002.safetensors"
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    json.dump({"weight_map": weight_map}, f)
+  with pytest.raises(ValueError, match=r"lm_head.weight .*twice"):
     models.from_pretrained(path)
 
 

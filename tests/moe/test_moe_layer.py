@@ -192,3 +192,152 @@ def test_layer_checks_shapes():
   with pytest.raises(ValueError, match="router"):
     moe_mlp(jnp.zeros((2, 32)), router, gate_up, down, k=2, normalize=True,
             implementation="cpu")
+
+
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
+def test_static_arguments_and_dtypes_are_checked_for_every_implementation(impl):
+  """k outside [1, E], a k or normalize of the wrong type, and weights of another dtype than
+  x: errors naming moe_mlp's argument, on the stock path too (lax.top_k would take k=0 and
+  fail later, or take k=True as 1)."""
+  rng = np.random.default_rng(0)
+  router, gate_up, down = _layer(rng)
+  x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+
+  def run(x=x, router=router, gate_up=gate_up, down=down, k=2, normalize=True):
+    return moe_mlp(x, router, gate_up, down, k=k, normalize=normalize, implementation=impl)
+  for k in (0, 9, -1):
+    with pytest.raises(ValueError, match=rf"moe_mlp: k must be in \[1, 8\].*got {k}"):
+      run(k=k)
+  for k in (True, 2.0, np.float32(2)):
+    with pytest.raises(TypeError, match="moe_mlp: k must be an integer"):
+      run(k=k)
+  with pytest.raises(TypeError, match="moe_mlp: normalize must be a bool"):
+    run(normalize="False")
+  assert jax.jit(lambda x: run(x, k=np.int64(2)).y)(x).shape == x.shape
+  for name in ("router", "gate_up", "down"):
+    bad = {"router": router, "gate_up": gate_up, "down": down}[name].astype(jnp.bfloat16)
+    with pytest.raises(TypeError, match=f"moe_mlp: {name} has dtype bfloat16 but x float32"):
+      run(**{name: bad})
+  with pytest.raises(TypeError, match="moe_mlp: x must have dtype in"):
+    run(x=x.astype(jnp.int32))
+  with pytest.raises(TypeError, match="route: k must be an integer"):
+    route(jnp.zeros((2, 4), jnp.float32), True, normalize=True)
+
+
+@pytest.mark.parametrize("impl", [*IMPLS, "xla"])
+def test_an_empty_batch_gives_empty_results(impl):
+  """No tokens: empty outputs of the right shapes and dtypes, zero gradients (the grouped
+  GEMM's kernels and the gathers would index an empty buffer)."""
+  rng = np.random.default_rng(0)
+  router, gate_up, down = _layer(rng)
+  x = jnp.zeros((2, 0, 64), jnp.float32)
+
+  def f(x, router, gate_up, down):
+    return moe_mlp(x, router, gate_up, down, k=2, normalize=True, implementation=impl)
+  out = f(x, router, gate_up, down)
+  assert out.y.shape == x.shape and out.y.dtype == x.dtype
+  assert out.logits.shape == out.probs.shape == (0, 8) and out.experts.shape == (0, 2)
+  assert out.experts.dtype == jnp.int32 and out.probs.dtype == jnp.float32
+  grads = jax.grad(lambda *a: jnp.sum(f(*a).y), argnums=(0, 1, 2, 3))(x, router, gate_up, down)
+  for arg, grad in zip((x, router, gate_up, down), grads, strict=True):
+    assert grad.shape == arg.shape and not np.asarray(grad).any()
+
+
+def test_masked_nonfinite_rows_never_reach_the_router_losses():
+  """A NaN or inf router row at a masked position changes neither loss nor any other row's
+  gradient, bitwise (a select, never a multiplication by zero), and gets zero gradient (the
+  load-balancing loss's by ``probs``, the z-loss's by ``logits``); with nothing unmasked (or
+  no tokens) both losses are 0, never NaN."""
+  rng = np.random.default_rng(9)
+  logits = rng.standard_normal((12, 8)).astype(np.float32) * 3
+  mask = np.ones(12, bool)
+  mask[[2, 7]] = False
+  bad = logits.copy()
+  bad[2] = np.nan
+  bad[7, 3] = np.inf
+
+  @jax.jit
+  def losses(logits, mask):
+    _, experts, probs = route(logits, 2, normalize=True)
+
+    def lb(probs):
+      return load_balancing_loss(probs, experts, mask, implementation="cpu")
+
+    def z(logits):
+      return router_z_loss(logits, mask, implementation="cpu")
+    return [jax.value_and_grad(lb)(probs), jax.value_and_grad(z)(logits)]
+
+  for (v0, g0), (v1, g1) in zip(losses(logits, mask), losses(bad, mask), strict=True):
+    assert np.isfinite(float(v1))
+    assert_bitwise_equal(v1, v0, "loss")
+    assert_bitwise_equal(np.asarray(g1)[mask], np.asarray(g0)[mask], "unmasked rows' gradient")
+    assert not np.asarray(g1)[~mask].any(), "a masked row got a gradient"
+  for (v, g) in losses(bad, np.zeros(12, bool)):
+    assert float(v) == 0.0 and not np.asarray(g).any()
+  empty = jnp.zeros((0, 8), jnp.float32)
+  _, experts, probs = route(empty, 2, normalize=True)
+  assert float(load_balancing_loss(probs, experts, implementation="cpu")) == 0.0
+  assert float(router_z_loss(empty, implementation="cpu")) == 0.0
+
+
+def test_router_losses_check_their_arguments():
+  """Shapes that would broadcast silently (a mask of one entry, experts of other tokens)
+  and expert ids outside [0, E) at unmasked tokens: errors naming the argument; traced, an
+  out-of-range id gives a NaN loss, never a finite one."""
+  rng = np.random.default_rng(10)
+  logits = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+  _, experts, probs = route(logits, 2, normalize=True)
+  mask = jnp.asarray([True, True, False, True, True, True])
+  with pytest.raises(ValueError, match=r"load_balancing_loss: mask must have shape \(6,\)"):
+    load_balancing_loss(probs, experts, jnp.ones((1,), bool))
+  with pytest.raises(ValueError, match=r"load_balancing_loss: experts must have shape \(6, k\)"):
+    load_balancing_loss(probs, experts[:5])
+  with pytest.raises(ValueError, match="load_balancing_loss: probs must be"):
+    load_balancing_loss(probs[0], experts)
+  with pytest.raises(ValueError, match=r"router_z_loss: mask must have shape \(6,\)"):
+    router_z_loss(logits, jnp.ones((6, 1), bool))
+  wrong = experts.at[3, 1].set(4)
+  with pytest.raises(ValueError, match=r"experts must lie in \[0, 4\), got 4 at index \(3, 1\)"):
+    load_balancing_loss(probs, wrong, mask, implementation="cpu")
+  traced = jax.jit(lambda p, e: load_balancing_loss(p, e, mask, implementation="cpu"))
+  assert np.isnan(float(traced(probs, wrong)))
+  assert_bitwise_equal(traced(probs, experts.at[2, 1].set(4)), traced(probs, experts),
+                       "an id at a masked token")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nonfinite_values_reach_only_the_tokens_that_use_them(impl):
+  """A NaN token and NaN/inf weights of an expert no token picks (the layout's trailing
+  tiles are that expert's, E - 1): every other token's experts, weights, output and input
+  gradient keep their bits, and every other expert's weight gradient too."""
+  rng = np.random.default_rng(11)
+  router, gate_up, down = _layer(rng, h=32, i=16)
+  router = router.at[:, 7].set(-100.0)  # expert 7 is never among the top 2
+  x = jnp.asarray(np.abs(rng.standard_normal((40, 32))), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((40, 32)), jnp.float32)
+
+  @jax.jit
+  def run(x, gate_up, down):
+    def f(x, router, gate_up, down):
+      return moe_mlp(x, router, gate_up, down, k=2, normalize=True, implementation=impl)
+    out = f(x, router, gate_up, down)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a).y * g), argnums=(0, 2, 3))(x, router, gate_up,
+                                                                          down)
+    return out, grads
+
+  (out0, (dx0, dgu0, dd0)) = run(x, gate_up, down)
+  assert not (np.asarray(out0.experts) == 7).any()
+  out, (dx, dgu, dd) = run(x.at[5].set(jnp.nan), gate_up.at[7].set(jnp.nan),
+                           down.at[7].set(jnp.inf))
+  keep = np.arange(40) != 5
+  np.testing.assert_array_equal(np.asarray(out.experts)[keep], np.asarray(out0.experts)[keep])
+  assert np.isnan(np.asarray(out.y[5])).all()
+  for name, a, b in (("y", out.y, out0.y), ("probs", out.probs, out0.probs), ("dx", dx, dx0)):
+    assert_bitwise_equal(np.asarray(a)[keep], np.asarray(b)[keep], name)
+  # The NaN token's experts, now (NaN gradients) and before (they lose its rows).
+  hit = set(np.asarray(out.experts)[5].tolist()) | set(np.asarray(out0.experts)[5].tolist())
+  assert len(hit) < 7
+  for e in sorted(set(range(7)) - hit):
+    assert_bitwise_equal(dgu[e], dgu0[e], f"d gate_up[{e}]")
+    assert_bitwise_equal(dd[e], dd0[e], f"d down[{e}]")
+  assert not np.asarray(dgu[7]).any() and not np.asarray(dd[7]).any()
