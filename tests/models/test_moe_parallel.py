@@ -41,6 +41,16 @@ def _model(seed=0) -> models.DecoderLM:
   return model
 
 
+def _needs(n: int):
+  return pytest.mark.skipif(len(jax.devices()) < n,
+                            reason=f"needs {n} devices (CPU: 8 host devices)")
+
+
+def _trainer_mesh():
+  """FSDP = 2 x DP = 2 where 4 devices exist (the CPU host mesh), FSDP = 2 on two GPUs."""
+  return _mesh(1, 2, 2) if len(jax.devices()) >= 4 else _mesh(1, 2, 1)
+
+
 def _mesh(tp: int, fsdp: int, dp: int):
   devices = np.array(jax.devices()[:tp * fsdp * dp]).reshape(tp, fsdp, dp)
   return models.Parallelism(jax.sharding.Mesh(devices, ("tp", "fsdp", "dp")), tp="tp",
@@ -62,7 +72,9 @@ def moe():
   return model, (tok, tg), _forward(model, tok, tg)
 
 
-@pytest.mark.parametrize("tp,fsdp,dp", [(8, 1, 1), (1, 4, 1), (2, 2, 2)])
+@pytest.mark.parametrize("tp,fsdp,dp", [
+    pytest.param(*m, marks=_needs(m[0] * m[1] * m[2]))
+    for m in ((8, 1, 1), (1, 4, 1), (2, 2, 2), (2, 1, 1))])
 def test_sharded_moe_model_is_bitwise_the_unsharded(moe, tp, fsdp, dp):
   model, inputs, ref = moe
   got = _forward(models.shard(model, _mesh(tp, fsdp, dp)), *inputs)
@@ -70,10 +82,11 @@ def test_sharded_moe_model_is_bitwise_the_unsharded(moe, tp, fsdp, dp):
     assert_bitwise_equal(a, b, f"tp={tp} fsdp={fsdp} dp={dp} {name}")
 
 
+@_needs(2)
 def test_sampler_tp_equals_trainer_fsdp_and_unsharded(moe):
-  """Sampled at TP = 2 (experts split, KV heads split), scored at FSDP = 2 x DP = 2 and
-  unsharded: every sampled token's log-prob, bit for bit; the unsharded sampler draws the
-  same tokens."""
+  """Sampled at TP = 2 (experts split, KV heads split), scored at FSDP = 2 x DP = 2 (FSDP = 2
+  on two devices) and unsharded: every sampled token's log-prob, bit for bit; the unsharded
+  sampler draws the same tokens."""
   model = moe[0]
   rng = np.random.default_rng(7)
   prompts = rng.integers(0, V, (4, 6)).astype(np.int32)
@@ -85,27 +98,29 @@ def test_sampler_tp_equals_trainer_fsdp_and_unsharded(moe):
   ref = sample(model, prompts, lens, fused_draw=False, **kw)
   assert_bitwise_equal(res.tokens, ref.tokens, "tokens TP=2 vs unsharded")
   assert_bitwise_equal(res.logp, ref.logp, "logp TP=2 vs unsharded")
-  trainer = score(models.shard(model, _mesh(1, 2, 2)), res.tokens, res.completion_mask,
+  trainer = score(models.shard(model, _trainer_mesh()), res.tokens, res.completion_mask,
                   temperature=0.9)
   assert_bitwise_equal(trainer, res.logp, "sampler TP=2 vs trainer FSDP=2")
 
 
+@_needs(2)
 def test_fsdp_dp_training_gradients(moe):
-  """jax.grad through the sharded MoE model's logp at FSDP = 2 x DP = 2 (each layer's experts
-  gathered under fsdp, the batch split over dp): the unsharded gradients within the float32
-  tolerance (the per-device sums are added across devices), every expert's and the
-  router's included, and the same bits on every run."""
+  """jax.grad through the sharded MoE model's logp at FSDP = 2 x DP = 2 (FSDP = 2 on two
+  devices; each layer's experts gathered under fsdp, the batch split over dp): the
+  unsharded gradients within the float32 tolerance (the per-device sums are added across
+  devices), every expert's and the router's included, and the same bits on every run."""
   model, (tok, tg), _ = moe
   mask = np.arange(T)[None, :] < np.array([[10], [7], [10], [3], [10], [10], [9], [10]])
 
   def loss(m):
     return -jnp.sum(m.logp(tok, tg, mask)) / mask.sum()
 
-  ref = assert_sharded_gradients_match(loss, model, models.shard(model, _mesh(1, 2, 2)),
+  ref = assert_sharded_gradients_match(loss, model, models.shard(model, _trainer_mesh()),
                                        TOL["float32"][1])
   assert any("router" in map(str, path) for path in ref)
 
 
+@_needs(3)
 def test_tp_must_split_the_experts_evenly():
   model = _model()
   devices = np.array(jax.devices()[:3]).reshape(3, 1, 1)

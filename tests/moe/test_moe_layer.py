@@ -341,3 +341,19 @@ def test_nonfinite_values_reach_only_the_tokens_that_use_them(impl):
     assert_bitwise_equal(dgu[e], dgu0[e], f"d gate_up[{e}]")
     assert_bitwise_equal(dd[e], dd0[e], f"d down[{e}]")
   assert not np.asarray(dgu[7]).any() and not np.asarray(dd[7]).any()
+
+
+def test_router_row_sums_are_not_fused_into_the_exponentials():
+  """The router softmax (forward and backward) and the z-loss materialize their guarded
+  exponentials before the fixed tree over the experts: fused, every leaf of the tree
+  recomputed them and XLA's GPU compile of that fusion took ~50 s at 128 experts
+  (docs/moe.md, "Compile time"). The barrier is what keeps it out."""
+  logits = jnp.zeros((4, 128), jnp.float32)
+  programs = {
+      "router_probs": jax.jit(router_probs).lower(logits),
+      "router_probs backward": jax.jit(jax.grad(lambda x: jnp.sum(router_probs(x) * x))).lower(
+          logits),
+      "router_z_loss": jax.jit(lambda x: router_z_loss(x, implementation="cpu")).lower(logits),
+  }
+  for name, lowered in programs.items():
+    assert "optimization_barrier" in lowered.as_text(), f"{name}: no barrier before the tree"
