@@ -335,6 +335,30 @@ def test_stop_strings_cut_text_and_tokens(lm, tok):
     text.generate_text(lm, tok, PROMPTS, stop_strings="x", **kw)
 
 
+def test_stop_strings_stop_the_sampling_loop(lm, tok, monkeypatch):
+  """Each stop string's encoding reaches nn.sample as a stop sequence (rows stop decoding
+  there), and the completions are those of the post-hoc cut alone."""
+  full = text.generate_text(lm, tok, PROMPTS, **GEN)
+  stops = (full[0].text[3:5], "\x00never")
+  seen = []
+  original = text.nn.sample
+
+  def spy(*a, **k):
+    seen.append(k.get("stop_sequences"))
+    return original(*a, **k)
+
+  monkeypatch.setattr(text.nn, "sample", spy)
+  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=stops, **GEN)
+  assert seen == [[q for q in (tok.encode(s, add_special_tokens=False) for s in stops) if q]]
+  assert seen[0], "the stop strings should encode to token sequences"
+  monkeypatch.setattr(text.nn, "sample", lambda *a, **k: original(
+      *a, **{**k, "stop_sequences": None}))
+  cut_only = text.generate_text(lm, tok, PROMPTS, stop_strings=stops, **GEN)
+  for o, c in zip(outs, cut_only, strict=True):
+    assert (o.text, o.token_ids, o.finish_reason) == (c.text, c.token_ids, c.finish_reason)
+    assert_bitwise_equal(o.logp, c.logp, "kept log-probs")
+
+
 # ------------------------------------------------------------- against transformers (GPU image)
 
 

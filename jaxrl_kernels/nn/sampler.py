@@ -107,7 +107,7 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
               temperature: float, stop_ids: tuple[int, ...], top_k: int | None,
               top_p: float | None, steps_per_chunk: int = SAMPLER_CHUNK,
               fused_draw: bool = True, num_samples: int = 1,
-              prefill_chunk: int | None = None):
+              prefill_chunk: int | None = None, stop_table=None):
   b, p = prompts.shape
   n = max_new_tokens
   total = p + n
@@ -128,6 +128,8 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
     prompts = jnp.repeat(prompts, g, axis=0)
     prompt_lengths = jnp.repeat(prompt_lengths, g, axis=0)
+    if stop_table is not None:
+      stop_table = jnp.repeat(stop_table, g, axis=0)
     b = b * g
   rows = jnp.arange(b)
   cols = jnp.arange(total)
@@ -188,6 +190,8 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
       logp = logp.at[rows, at].set(jnp.where(live, lp, 0.0))
     if stop_ids:
       done = done | jnp.any(tok[:, None] == stops[None, :], axis=1)
+    if stop_table is not None:
+      done = done | _ends_with_stop(tokens, at, prompt_lengths, stop_table)
     return tok, (tokens, mask, logp, done), buf
 
   def flush(state, buf, i0, count: int):
@@ -236,6 +240,70 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
   return SampleResult(tokens, lengths, mask, logp)
 
 
+def _ends_with_stop(tokens, at, prompt_lengths, table):
+  """``[B]`` bool: row ``r``'s completion ends (at position ``at[r]``) with one of its stop
+  sequences ``table[r]`` (``[S, L]``, each right-aligned, ``-1`` left padding; a slot of all
+  ``-1`` is empty). Only completion positions match: a sequence never straddles the prompt."""
+  n_len = table.shape[-1]
+  pos = at[:, None] - (n_len - 1) + jnp.arange(n_len)[None, :]  # [B, L]
+  window = jnp.take_along_axis(tokens, jnp.clip(pos, 0, tokens.shape[1] - 1), axis=1)
+  in_completion = pos >= prompt_lengths[:, None]
+  ok = (table < 0) | ((window[:, None, :] == table) & in_completion[:, None, :])
+  return jnp.any(jnp.all(ok, axis=-1) & jnp.any(table >= 0, axis=-1), axis=-1)
+
+
+def _stop_table(stop_sequences, batch: int, vocab_size: int):
+  """``stop_sequences`` as an int32 ``[B, S, L]`` table (right-aligned, ``-1`` padding), or
+  None when there are none. Takes a sequence of id sequences (every row's), ``B`` such
+  sequences (one per prompt), or an int array ``[S, L]`` / ``[B, S, L]`` already padded."""
+  op, name = "sample", "stop_sequences"
+  if stop_sequences is None:
+    return None
+  if isinstance(stop_sequences, jax.Array | np.ndarray):
+    table = jnp.asarray(stop_sequences)
+    if not jnp.issubdtype(table.dtype, jnp.integer) or table.ndim not in (2, 3) or (
+        table.ndim == 3 and table.shape[0] != batch) or 0 in table.shape[-2:]:
+      raise ValueError(f"{op}: {name} as an array must be int [S, L] (every row's) or "
+                       f"[B={batch}, S, L] (one table per prompt) with S, L >= 1, -1 "
+                       f"padding on the left; got {table.dtype} {table.shape}")
+    table = jnp.broadcast_to(table.astype(jnp.int32), (batch, *table.shape[-2:]))
+    _validation.check_ids_in_range(op, name, table, vocab_size, table != -1)
+    return table
+  if isinstance(stop_sequences, str | bytes):
+    raise ValueError(f"{op}: {name} holds token id sequences, got a string (text stop "
+                     f"strings: text.generate_text(stop_strings=...))")
+  seqs = list(stop_sequences)
+  if not seqs:
+    return None
+
+  def is_seq(x):
+    return isinstance(x, list | tuple | np.ndarray)
+
+  # One list per prompt when some element holds sequences (a prompt's list may be empty).
+  nested = any(is_seq(r) and any(is_seq(q) for q in r) for r in seqs)
+  per_row = [list(r) if is_seq(r) else [r] for r in seqs] if nested else None
+  rows = per_row if per_row is not None else [seqs]
+  if per_row is not None and len(per_row) != batch:
+    raise ValueError(f"{op}: {name} given per prompt must hold {batch} lists (one per "
+                     f"prompt), got {len(per_row)}")
+  for r, row in enumerate(rows):
+    for j, sq in enumerate(row):
+      where = f"[{r}][{j}]" if per_row is not None else f"[{j}]"
+      if not isinstance(sq, list | tuple | np.ndarray) or len(sq) == 0 or not all(
+          _is_int(t) and 0 <= t < vocab_size for t in sq):
+        raise ValueError(f"{op}: {name}{where} must be a non-empty sequence of ints in "
+                         f"[0, {vocab_size}), got {sq!r}")
+  n_seq = max(len(row) for row in rows)
+  n_len = max((len(sq) for row in rows for sq in row), default=1)
+  if n_seq == 0:
+    return None
+  table = np.full((len(rows), n_seq, n_len), -1, np.int32)
+  for r, row in enumerate(rows):
+    for j, sq in enumerate(row):
+      table[r, j, n_len - len(sq):] = sq
+  return jnp.asarray(np.broadcast_to(table, (batch, n_seq, n_len)))
+
+
 _generate_jit = nnx.jit(_generate, static_argnames=("max_new_tokens", "temperature",
                                                     "stop_ids", "top_k", "top_p",
                                                     "steps_per_chunk", "fused_draw",
@@ -251,7 +319,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            eos_id: int | None = None, stop_ids: Sequence[int] = (),
            top_k: int | None = None, top_p: float | None = None,
            steps_per_chunk: int = SAMPLER_CHUNK, fused_draw: bool = True,
-           num_samples: int = 1, prefill_chunk: int | None = None) -> SampleResult:
+           num_samples: int = 1, prefill_chunk: int | None = None,
+           stop_sequences=None) -> SampleResult:
   """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
   Prefills the prompts, then per step: a token drawn with ``fold_in(key, step)`` and the
@@ -261,8 +330,10 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
   statistics merged once per chunk of ``steps_per_chunk`` steps; or
   ``model.head.logits(h, T, return_stats=True)`` for heads without partials), its log-prob
   (bitwise ``model.head(h, token, temperature=T)`` on the kernel paths: the trainer's
-  ``model.logp``), then ``model.decode_step``. Rows that sampled a stop id stop; the loop
-  ends early (at a chunk boundary) when every row has.
+  ``model.logp``), then ``model.decode_step``. Rows that sampled a stop id or completed a
+  stop sequence stop; the loop ends early (at a chunk boundary) when every row has. A
+  finished row keeps its slot until then (static shapes: one compiled program), its
+  decode work spent and nothing recorded.
 
   Args:
     model: a :class:`CausalLM` (``TinyCausalLM``, ``models.DecoderLM``).
@@ -299,6 +370,14 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
     prefill_chunk: static int ``C >= 1`` or None: prefill the prompts ``C`` positions at a
       time (``model.prefill(..., chunk=C)``, models that take it: ``DecoderLM``); the same
       cache and hidden states bitwise, so the same tokens and log-probs.
+    stop_sequences: token id sequences after which a row stops (the sequence is part of
+      the completion), matched on the completion's tokens only (never across the prompt):
+      a list of id lists for every row, ``B`` such lists (one per prompt, shared by its
+      ``num_samples`` rows), or an int array ``[S, L]`` / ``[B, S, L]`` with each sequence
+      right-aligned and ``-1`` on its left (an all ``-1`` slot is empty). The array is an
+      operand, not a static argument: other sequences of the same shape compile nothing.
+      A one-token sequence per row is a per-row stop id. Stopping only masks what follows:
+      the kept tokens and log-probs are bitwise those of the same call without it.
 
   Returns:
     A :class:`SampleResult` (``B G`` rows).
@@ -346,6 +425,7 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
   if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
     raise ValueError(f"sample: prefill_chunk must be None or an int >= 1, got "
                      f"{prefill_chunk!r}")
+  stop_table = _stop_table(stop_sequences, prompts.shape[0], v)
   if prompts.shape[0] == 0:
     total = prompts.shape[1] + int(max_new_tokens)
     return SampleResult(jnp.zeros((0, total), jnp.int32), jnp.zeros((0,), jnp.int32),
@@ -358,7 +438,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
                        top_p=None if top_p is None or top_p == 1 else float(top_p),
                        steps_per_chunk=int(steps_per_chunk), fused_draw=bool(fused_draw),
                        num_samples=int(num_samples),
-                       prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
+                       prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
+                       stop_table=stop_table)
 
 
 # --------------------------------------------------------------------------------- scoring

@@ -187,6 +187,70 @@ def test_a_group_prefills_its_prompt_once_with_the_bits_of_repeated_rows(lm, mon
   assert seen == [4], seen
 
 
+def _first_end(comp: np.ndarray, seqs) -> int | None:
+  """The length of the shortest prefix of ``comp`` ending with one of ``seqs`` (numpy)."""
+  for t in range(1, len(comp) + 1):
+    if any(t >= len(q) and list(comp[t - len(q):t]) == list(q) for q in seqs):
+      return t
+  return None
+
+
+def test_stop_sequences_per_row_keep_the_bits(lm):
+  """Multi-token stop sequences, per prompt: each row ends at the first completion of one of
+  its own sequences (a numpy search of the unstopped run's tokens), the kept tokens and
+  log-probs are bitwise the unstopped run's (the trainer's too), later positions are
+  0 / masked / logp 0; rows without a match and rows given no sequence run to the end. A
+  sequence only matches completion tokens, never the prompt's end."""
+  n = 10
+  kw = dict(max_new_tokens=n, key=jax.random.key(11), temperature=1.0)
+  free = sample(lm, PROMPTS, LENS, **kw)
+  tok = np.asarray(free.tokens)
+  comp = [tok[r, LENS[r]:LENS[r] + n] for r in range(4)]
+  per_row = [
+      [comp[0][3:5].tolist(), [63, 63, 63]],       # a 2-token sequence completed at token 5
+      [comp[1][6:7].tolist()],                     # a one-token per-row stop id
+      [],                                          # no sequence: runs to the end
+      [[int(PROMPTS[3, 0]), int(comp[3][0])]],     # straddles the prompt: no stop there
+  ]
+  res = sample(lm, PROMPTS, LENS, stop_sequences=per_row, **kw)
+  m = np.asarray(res.completion_mask)
+  for r in range(4):
+    end = _first_end(comp[r], per_row[r]) or n
+    assert m[r].sum() == end, (r, m[r].sum(), end)
+    sl = slice(LENS[r], LENS[r] + end)
+    np.testing.assert_array_equal(np.asarray(res.tokens)[r, sl], tok[r, sl])
+    assert_bitwise_equal(np.asarray(res.logp)[r, sl], np.asarray(free.logp)[r, sl], f"row {r}")
+    assert not np.asarray(res.tokens)[r, LENS[r] + end:].any()
+    assert not np.asarray(res.logp)[r, LENS[r] + end:].any()
+  assert m[0].sum() <= 5 and m[1].sum() <= 7 and m[2].sum() == n
+  got = score(lm, res.tokens, res.completion_mask, temperature=1.0)
+  assert_bitwise_equal(got, np.asarray(res.logp), "score vs sampler")
+  # The same table as a padded array (-1 on the left), and shared sequences as [S, L].
+  table = -np.ones((4, 2, 3), np.int32)
+  for r, row in enumerate(per_row):
+    for j, q in enumerate(row):
+      table[r, j, 3 - len(q):] = q
+  again = sample(lm, PROMPTS, LENS, stop_sequences=table, **kw)
+  np.testing.assert_array_equal(np.asarray(again.completion_mask), m)
+  assert_bitwise_equal(np.asarray(again.logp), np.asarray(res.logp), "array form")
+  shared = [comp[0][3:5].tolist()]
+  both = sample(lm, PROMPTS, LENS, stop_sequences=shared, **kw)
+  for r in range(4):
+    assert np.asarray(both.completion_mask)[r].sum() == (_first_end(comp[r], shared) or n)
+
+
+def test_stop_sequences_in_groups_follow_their_prompt(lm):
+  """With num_samples, a prompt's sequences serve its G rows: bitwise the repeated call."""
+  kw = dict(max_new_tokens=8, key=jax.random.key(2), temperature=0.9)
+  per_row = [[[5, 9]], [[7]], [], [[1], [2, 3]]]
+  group = sample(lm, PROMPTS, LENS, num_samples=2, stop_sequences=per_row, **kw)
+  rep = sample(lm, np.repeat(PROMPTS, 2, 0), np.repeat(LENS, 2),
+               stop_sequences=[q for q in per_row for _ in range(2)], **kw)
+  np.testing.assert_array_equal(np.asarray(group.completion_mask),
+                                np.asarray(rep.completion_mask))
+  assert_bitwise_equal(np.asarray(group.logp), np.asarray(rep.logp), "grouped stop sequences")
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(steps_per_chunk=0), "steps_per_chunk must be an int >= 1"),
     (dict(top_k=0), "top_k must be None or an int in \\[1, 64\\]"),
@@ -201,6 +265,14 @@ def test_a_group_prefills_its_prompt_once_with_the_bits_of_repeated_rows(lm, mon
     (dict(fused_draw=1), "fused_draw must be a bool"),
     (dict(num_samples=0), "num_samples must be an int >= 1"),
     (dict(num_samples=2.0), "num_samples"),
+    (dict(stop_sequences=[[64]]), "stop_sequences\\[0\\] must be a non-empty sequence of ints in "
+                                  "\\[0, 64\\)"),
+    (dict(stop_sequences=[[1], []]), "stop_sequences\\[1\\] must be a non-empty"),
+    (dict(stop_sequences=[[[1]], [[2]]]), "per prompt must hold 4 lists"),
+    (dict(stop_sequences=[[[1]], [], [[-2]], []]), "stop_sequences\\[2\\]\\[0\\]"),
+    (dict(stop_sequences="</s>"), "token id sequences, got a string"),
+    (dict(stop_sequences=np.zeros((3, 2, 2), np.int32)), "\\[B=4, S, L\\]"),
+    (dict(stop_sequences=np.full((1, 2), 64, np.int32)), "stop_sequences must lie in"),
 ])
 def test_bad_options(lm, kw, match):
   with pytest.raises((ValueError, TypeError), match=match):  # TypeError: a bool temperature
