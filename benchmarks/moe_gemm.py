@@ -29,7 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import pipelined_ms  # noqa: E402
 
+from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M  # noqa: E402
 from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul  # noqa: E402
+from jaxrl_kernels.pallas import gemm_mosaic  # noqa: E402
 
 E, TOP_K, H, FFN = 128, 8, 2048, 768
 PEAK_TFLOPS, HBM_TBS = 989.0, 4.8  # H200 dense bf16, HBM3e
@@ -62,6 +64,14 @@ def _ours(impl):
   return fwd
 
 
+def _mosaic_kernel(x, w, ids):
+  """The forward through the Hopper kernel (``gemm_mosaic.ragged_matmul``), same layout."""
+  lay = group_layout(ids, E)
+  xp = jnp.zeros((lay.rows, x.shape[1]), x.dtype).at[lay.dest].set(x, unique_indices=True)
+  return gemm_mosaic.ragged_matmul(xp, w, lay.tile_expert, rhs_transposed=False,
+                                   out_dtype=x.dtype, block_m=GROUPED_GEMM_BLOCK_M)[lay.dest]
+
+
 def _stock_layout(ids):
   return jnp.argsort(ids, stable=True), jnp.zeros((E,), jnp.int32).at[ids].add(1)
 
@@ -85,6 +95,9 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=None)
   ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 16384])
   ap.add_argument("--calls", type=int, default=30)
+  ap.add_argument("--mosaic-kernel", action="store_true",
+                  help="add a forward row through the Hopper kernel gemm_mosaic.ragged_matmul "
+                       "(not yet the grouped_matmul default)")
   args = ap.parse_args(argv)
   device = jax.devices()[0].device_kind
   lines = [f"device: {device}; jax {jax.__version__}; {datetime.date.today()}; command: "
@@ -127,6 +140,16 @@ def main(argv=None) -> int:
                      f"{stock} | {ratio} | {fl:.3f} | {t_o / fl:.2f} | "
                      f"{same if label == 'fwd' else ''} |")
         print(lines[-1], f"(max |ours - stock| {err:.3g})", flush=True)
+      if args.mosaic_kernel:
+        f_mk = jax.jit(_mosaic_kernel)
+        t_m = pipelined_ms(f_mk, [(x, w, ids)], args.calls)
+        solo = f_mk(x[r:r + 1], w, ids[r:r + 1])
+        same = bool(np.array_equal(np.asarray(solo[0]).view(np.uint16),
+                                   np.asarray(f_mk(x, w, ids)[r]).view(np.uint16)))
+        fl = _floor_ms(a, kd, nd, False)
+        lines.append(f"| {m} | {name} [{a}, {kd}] x [{E}, {kd}, {nd}] | fwd, Mosaic kernel | "
+                     f"{t_m:.3f} | - | - | {fl:.3f} | {t_m / fl:.2f} | {same} |")
+        print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
     with open(args.out, "w") as f:

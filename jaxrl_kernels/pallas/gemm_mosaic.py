@@ -178,10 +178,13 @@ def mid_config(m: int, n: int, groups: int = 1) -> Config:
 def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: Config, lhs_transposed: bool,
             rhs_transposed: bool, in_place: bool = False, n_row_ops: int = 0,
             n_col_ops: int = 0, epilogue=None, group_rows: int | None = None,
-            group_cols: bool = False, chunks: int = 1):
-  # refs: [row operands], [column operands], then (out,); (c, out) when
-  # accumulating into ``c`` (``out = c + a @ b``); (c,) with ``in_place``:
-  # ``c += a @ b`` through a mutable ref.
+            group_cols: bool = False, chunks: int = 1, tile_group: bool = False):
+  # refs: [the tile groups (int32, with ``tile_group``)], [row operands], [column operands],
+  # then (out,); (c, out) when accumulating into ``c`` (``out = c + a @ b``); (c,) with
+  # ``in_place``: ``c += a @ b`` through a mutable ref.
+  tile_group_gmem = None
+  if tile_group:
+    tile_group_gmem, refs = refs[0], refs[1:]
   row_ops, col_ops = refs[:n_row_ops], refs[n_row_ops:n_row_ops + n_col_ops]
   refs = refs[n_row_ops + n_col_ops:]
   if in_place:
@@ -239,7 +242,7 @@ def _kernel(a_gmem, b_gmem, *refs, m, n, k, cfg: Config, lhs_transposed: bool,
   mosaic_loop.persistent_matmul(
       a_gmem, b_gmem, m=m, n=n, k=k, cfg=cfg.loop, lhs_transposed=lhs_transposed,
       rhs_transposed=rhs_transposed, epilogue=store, operands=operands, scratch=scratch,
-      group_rows=group_rows, group_cols=group_cols, chunks=chunks)
+      group_rows=group_rows, group_cols=group_cols, chunks=chunks, tile_group=tile_group_gmem)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype,
@@ -298,6 +301,66 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype,
                          cfg=cfg.loop, name="det_matmul_grouped")
   out = f(a, rhs.reshape(g * k, n)).reshape(g, m_pad, n)
   return out[:, :m] if m_pad != m else out
+
+
+def ragged_config(rows: int, n: int, block_m: int) -> Config:
+  """The free knobs of :func:`ragged_matmul` for ``rows`` laid-out rows and ``N`` columns.
+
+  A CTA tile never spans two row blocks of ``block_m`` rows (each names its own weight), so
+  CTA tiles are ``block_m`` (64) rows high. Few blocks (a decode step's assignments): 64 x 64
+  CTA tiles with a deep pipeline, to spread the weight stream over the SMs; many (a
+  training step's): 64 x 256 tiles of two warpgroups, each A row tile read once per 256
+  columns. Every config gives the same bits."""
+  tiles = -(-rows // block_m) * -(-n // 256)
+  if tiles >= 2 * DEFAULT_NUM_SMS and n >= 256:
+    return Config(tile_m=block_m, tile_n=128, num_compute_wgs=2, wg_split="n",
+                  max_concurrent_steps=4)
+  return Config(tile_m=block_m, tile_n=64, num_compute_wgs=1, wg_split="n",
+                max_concurrent_steps=6)
+
+
+def ragged_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, *,
+                  rhs_transposed: bool, out_dtype, block_m: int,
+                  config: Config | None = None) -> jax.Array:
+  """The grouped (mixture-of-experts) product on Hopper: ``out[block i] = lhs[block i] @
+  op(rhs[tile_expert[i]])`` for the ``block_m``-row blocks of ``lhs [P, K]``, ``rhs [E, K, N]``
+  (or ``[E, N, K]`` with ``rhs_transposed``, read in place).
+
+  Each CTA tile reads its block's expert (``persistent_matmul``'s ``tile_group``) and runs
+  the instructions of :func:`matmul`'s tiles on its rows and that expert's weight: a row's
+  bits are those of ``matmul(row, rhs[e])``, whatever the other rows, their experts or the
+  config. ``K`` a multiple of ``TILE_K`` and ``N`` one the kernel takes
+  (:func:`supported_shape`); ``P`` a multiple of ``block_m``.
+  """
+  if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype).name not in ("bfloat16", "float16"):
+    raise ValueError(f"ragged_matmul: lhs and rhs must both be bfloat16 or float16 (wgmma's "
+                     f"16-bit inputs), got {lhs.dtype} and {rhs.dtype}")
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"ragged_matmul: expected lhs [P, K] and rhs [E, K, N] (or [E, N, K]), "
+                     f"got lhs {lhs.shape} and rhs {rhs.shape}")
+  p, k = lhs.shape
+  e = rhs.shape[0]
+  n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+  k_w = rhs.shape[2] if rhs_transposed else rhs.shape[1]
+  if k_w != k or p % block_m or tile_expert.shape != (p // block_m,):
+    raise ValueError(f"ragged_matmul: expected lhs [P, K] with P a multiple of {block_m}, rhs "
+                     f"[E, K, N] (or [E, N, K] transposed) and tile_expert [P / {block_m}]; got "
+                     f"lhs {lhs.shape}, rhs {rhs.shape}, tile_expert {tile_expert.shape}")
+  cfg = dataclasses.replace(config or ragged_config(p, n, block_m))
+  if block_m % cfg.cta_tile_m:
+    raise ValueError(f"ragged_matmul: the CTA tile's {cfg.cta_tile_m} rows must divide the "
+                     f"{block_m}-row blocks")
+  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize)
+  why = supported_shape(p, n, k, cfg, lhs_transposed=False, rhs_transposed=rhs_transposed)
+  if why is not None:
+    raise ValueError(f"ragged_matmul: unsupported shape: {why}")
+  b = rhs.reshape(e * n, k) if rhs_transposed else rhs.reshape(e * k, n)
+  kernel = functools.partial(_kernel, m=p, n=n, k=k, cfg=cfg, lhs_transposed=False,
+                             rhs_transposed=rhs_transposed, group_rows=block_m,
+                             tile_group=True)
+  f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
+                         cfg=cfg.loop, name="grouped_matmul_mosaic")
+  return f(lhs, b, tile_expert.astype(jnp.int32))
 
 
 def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *, chunks: int,

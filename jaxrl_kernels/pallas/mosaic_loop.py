@@ -242,7 +242,8 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
                       lhs_transposed: bool, rhs_transposed: bool, epilogue: Epilogue,
                       operands: Sequence[tuple[Any, str]] = (),
                       scratch: dict | None = None, group_rows: int | None = None,
-                      group_cols: bool = False, chunks: int = 1) -> None:
+                      group_cols: bool = False, chunks: int = 1,
+                      tile_group=None) -> None:
   """The body of a persistent GEMM kernel, up to the epilogue.
 
   For every CTA tile of ``op(A) @ op(B)`` (``op(A)`` ``[M, K]``: ``a_gmem`` is
@@ -280,6 +281,15 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
   of ``a_gmem`` (its rows past ``Ma`` as TMA zeros). The same values reach the same shared
   memory tiles as with the stacked ``[G group_rows, K]``, so the same bits, without the
   stacked copy.
+
+  ``tile_group`` (with ``group_rows``; an int32 gmem ref ``[M / group_rows]``): the weight of
+  rows ``[j group_rows, (j + 1) group_rows)`` is ``tile_group[j]`` instead of ``j``, read
+  per CTA tile (a mixture-of-experts layout, whose row tiles name their expert at run time).
+  ``b_gmem`` is then the ``G`` weights stacked as ``[G K, N]``, or as ``[G N, K]`` with
+  ``rhs_transposed`` (weight ``g``'s rows ``[g N, (g + 1) N)``; a CTA tile's columns past
+  ``N`` read the next weight's rows and are clipped at the store, so no column reads another
+  column's values). Each tile runs the instructions of the ungrouped product of its rows with
+  its weight: the same bits.
 
   ``chunks`` (a power of two dividing the K tiles; plain ``A`` only): the row-parallel
   product's chunk tree (``row_parallel``'s contract). The K walk is cut into ``chunks``
@@ -325,11 +335,14 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
     raise ValueError(f"persistent_matmul: group_cols needs group_rows dividing M ({m}) and A "
                      f"[Ma, (M / group_rows) {k}] with Ma <= group_rows ({group_rows}) and "
                      f"rows_in_place(Ma); got A {a_gmem.shape}")
-  if group_rows is not None and (lhs_transposed or rhs_transposed or group_rows % cta_m
-                                 or k % TILE_K):
-    raise ValueError(f"persistent_matmul: a grouped product needs plain operands, "
-                     f"group_rows ({group_rows}) a multiple of the CTA tile's {cta_m} rows "
-                     f"and K ({k}) a multiple of {TILE_K}")
+  if group_rows is not None and (lhs_transposed or (rhs_transposed and tile_group is None)
+                                 or group_rows % cta_m or k % TILE_K):
+    raise ValueError(f"persistent_matmul: a grouped product needs a plain lhs (and a plain "
+                     f"rhs unless tile_group is given), group_rows ({group_rows}) a multiple "
+                     f"of the CTA tile's {cta_m} rows and K ({k}) a multiple of {TILE_K}")
+  if tile_group is not None and (group_rows is None or group_cols or views):
+    raise ValueError("persistent_matmul: tile_group needs group_rows, without group_cols or "
+                     "chunk views")
   levels = chunks.bit_length() - 1
   if chunks < 1 or chunks & (chunks - 1) or k_iters % chunks or (
       chunks > 1 and (lhs_transposed or group_rows is not None)):
@@ -477,7 +490,13 @@ def persistent_matmul(a_gmem, b_gmem, *, m: int, n: int, k: int, cfg: LoopConfig
       if views:
         b_view = b_gmem.at[:, :, cta_n_slice]
       elif group_rows is not None:  # this CTA tile's weight of the stacked ones
-        b_view = b_gmem.at[pl.ds((mi * cta_m) // group_rows * k, k), cta_n_slice]
+        group = (mi * cta_m) // group_rows
+        if tile_group is not None:  # named at run time (a scalar load per CTA tile)
+          group = tile_group[group]
+        if rhs_transposed:  # [G N, K]: the weight's rows, then this tile's columns
+          b_view = b_gmem.at[pl.ds(group * n + ni * cta_n, cta_n), :]
+        else:
+          b_view = b_gmem.at[pl.ds(group * k, k), cta_n_slice]
       elif rhs_transposed:
         b_view = b_gmem.at[cta_n_slice, :]
       else:
