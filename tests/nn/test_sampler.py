@@ -233,8 +233,10 @@ def test_stop_sequences_per_row_keep_the_bits(lm):
   again = sample(lm, PROMPTS, LENS, stop_sequences=table, **kw)
   np.testing.assert_array_equal(np.asarray(again.completion_mask), m)
   assert_bitwise_equal(np.asarray(again.logp), np.asarray(res.logp), "array form")
+  # Every row's sequences as one [S, L] array (the same [4, 2, 3] table: no recompile).
   shared = [comp[0][3:5].tolist()]
-  both = sample(lm, PROMPTS, LENS, stop_sequences=shared, **kw)
+  both = sample(lm, PROMPTS, LENS, stop_sequences=np.array([[-1, -1, -1], [-1, *shared[0]]],
+                                                            np.int32), **kw)
   for r in range(4):
     assert np.asarray(both.completion_mask)[r].sum() == (_first_end(comp[r], shared) or n)
 
