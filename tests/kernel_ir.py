@@ -1,11 +1,11 @@
-"""The Hopper kernels' programs, pinned from the CPU: cases, digests and their update.
+"""The GPU kernels' programs, pinned from the CPU: cases, digests and their update.
 
-A Mosaic GPU kernel's bits are fixed by its program (its instructions and their order), which
-Pallas builds in Python when the kernel is lowered. Lowering for CUDA needs no GPU, so the
-CPU suite can pin every Hopper kernel the way tests/golden_digests.json pins every op's
-output: each case lowers one kernel entry point at fixed shapes for ``cuda``, takes the
-Mosaic GPU modules of its custom calls, prints them without debug information (source
-locations change with every edit; the program does not) and hashes the text. An edit that
+A Mosaic GPU or Triton kernel's bits are fixed by its program (its instructions and their
+order), which Pallas builds in Python when the kernel is lowered. Lowering for CUDA needs no
+GPU, so the CPU suite can pin every GPU kernel the way tests/golden_digests.json pins every
+op's output: each case lowers one kernel entry point at fixed shapes for ``cuda``, takes the
+Mosaic GPU and Triton modules of its custom calls, prints them without debug information
+(source locations change with every edit; the program does not) and hashes the text. An edit that
 changes a kernel's program changes its digest; one that only moves code does not.
 
 The programs depend on the jax version that builds them: the digests are those of
@@ -38,7 +38,16 @@ def _s(shape, dtype=bf16):
 def _cases():
   """``name -> (fn, abstract args)``; imports here so that collecting the tests is cheap."""
   from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M as BM
-  from jaxrl_kernels.pallas import attention_mosaic, attention_mosaic_bwd, gemm_mosaic
+  from jaxrl_kernels.pallas import (
+    attention_mosaic,
+    attention_mosaic_bwd,
+    attention_triton,
+    gemm_mosaic,
+    gemm_triton,
+    grouped_gemm_triton,
+    linear_logp_fwd,
+    rmsnorm_triton,
+  )
   from jaxrl_kernels.pallas import linear_logp_mosaic as head
 
   def mm(lt=False, rt=False, out=bf16, acc=False):
@@ -94,11 +103,44 @@ def _cases():
               q, k, vv, p, n, o, lse, do, scale=0.125),
           [_s((2, 128, 8, 128)), _s((2, 128, 2, 128)), _s((2, 128, 2, 128)), q_pos, kv_len,
            _s((2, 128, 8, 128)), _s((2, 8, 128), f32), _s((2, 128, 8, 128))]),
+      # Triton (any CUDA GPU; "mosaic" falls back to them where Mosaic takes no shape).
+      "triton gemm bf16": (
+          lambda a, b: gemm_triton.matmul(a, b, lhs_transposed=False, rhs_transposed=False,
+                                          out_dtype=bf16, interpret=False),
+          [_s((64, 896)), _s((896, 1152))]),
+      "triton gemm f32 rhs transposed": (
+          lambda a, b: gemm_triton.matmul(a, b, lhs_transposed=False, rhs_transposed=True,
+                                          out_dtype=f32, interpret=False),
+          [_s((64, 896), f32), _s((1152, 896), f32)]),
+      "triton grouped (MoE) + dw": (
+          lambda x, w, te, ts, tc, g: (
+              grouped_gemm_triton.matmul(x, w, te, rhs_transposed=False, out_dtype=bf16,
+                                         interpret=False),
+              grouped_gemm_triton.weight_grad(x, g, ts, tc, num_experts=8, out_dtype=bf16,
+                                              interpret=False)),
+          [_s((3 * BM, 2048)), _s((8, 2048, 1536)), _s((3,), jnp.int32), _s((8,), jnp.int32),
+           _s((8,), jnp.int32), _s((3 * BM, 1536))]),
+      "triton head partials + merge": (
+          lambda x, w, tg: linear_logp_fwd.merge_partials(
+              *linear_logp_fwd.tile_partials(x, w, None, tg, layout="vh", interpret=False,
+                                             **kw)[:3], interpret=False),
+          [_s((t, h)), _s((v, h)), _s((t,), jnp.int32)]),
+      "triton rms norm": (
+          lambda x, w: rmsnorm_triton.rms_norm_rows(x, w, eps=1e-6, interpret=False),
+          [_s((64, 896)), _s((896,))]),
+      "triton attention forward + backward": (
+          lambda q, k, vv, p, n, do: attention_triton.backward(
+              q, k, vv, p, n, *attention_triton.forward(q, k, vv, p, n, scale=0.125,
+                                                        interpret=False),
+              do, scale=0.125, interpret=False),
+          [_s((2, 128, 8, 64)), _s((2, 128, 2, 64)), _s((2, 128, 2, 64)), q_pos, kv_len,
+           _s((2, 128, 8, 64))]),
   }
 
 
 def _modules(lowered) -> list[bytes]:
-  """The serialized kernel modules of ``lowered``'s Mosaic GPU and Triton custom calls."""
+  """The serialized kernel modules of ``lowered``'s Mosaic GPU and Triton custom calls, in
+  program order."""
   from jax._src.lib.mlir import ir
   found = []
 
@@ -112,6 +154,8 @@ def _modules(lowered) -> list[bytes]:
                 else None
             if target.startswith("mosaic_gpu") and cfg is not None:
               found.append(bytes(ir.StringAttr(cfg["module"]).value_bytes))
+            elif target == "__gpu$xla.gpu.triton" and cfg is not None:
+              found.append(bytes(ir.StringAttr(cfg["ir"]).value_bytes))
           walk(o)
 
   walk(lowered.compiler_ir().operation)
@@ -121,15 +165,16 @@ def _modules(lowered) -> list[bytes]:
 def digest(name: str) -> str:
   """sha256 of the case's kernel programs (debug information left out), in call order."""
   from jax._src.interpreters import mlir as jax_mlir
-  from jax._src.lib import mosaic_gpu_dialect
+  from jax._src.lib import mosaic_gpu_dialect, triton
   from jax._src.lib.mlir import ir
   fn, args = _cases()[name]
   lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   modules = _modules(lowered)
   if not modules:
-    raise AssertionError(f"{name}: no Mosaic GPU kernel in the lowered program")
+    raise AssertionError(f"{name}: no GPU kernel in the lowered program")
   ctx = jax_mlir.make_ir_context()
   mosaic_gpu_dialect.register_dialect(ctx)  # its types (barriers) in memrefs
+  triton.dialect.register_dialect(ctx)  # its pointer types
   ctx.allow_unregistered_dialects = True  # the other kernel dialects print generically
   h = hashlib.sha256()
   with ctx:
