@@ -4,9 +4,9 @@ tests/golden_digests.json pins the bits of the Mosaic and Triton kernels' output
 GPU can compute them (the interpreter runs the Triton kernels' Pallas code, not the program
 Triton compiles). Their programs can be built anywhere: each case lowers one kernel entry
 point for CUDA and its debug-information-free programs must hash to the recorded digest, so
-an edit that changes what a GPU kernel executes fails here, in CI, not first on a GPU. Moving code does
-not change a digest; changing an instruction does (a deliberate change: rerun
-``tests/kernel_ir.py`` and say why in the commit, then run the GPU golden digests).
+an edit that changes what a GPU kernel executes fails here, in CI, not first on a GPU.
+Moving code does not change a digest; changing an instruction does (a deliberate change:
+rerun ``tests/kernel_ir.py`` and say why in the commit, then run the GPU golden digests).
 """
 
 from __future__ import annotations
