@@ -182,6 +182,9 @@ def run(model: DecoderLM, prompts, lens, *, new_tokens: int, repeats: int, check
                "prefill + 1 token")
   row = {"s_per_rollout": t_g, "tok_s": prompts.shape[0] * new_tokens / t_g,
          "step_ms": 1e3 * (t_g - t_1) / max(new_tokens - 1, 1), "prefill_ms": 1e3 * t_1}
+  # Printed now: a check that runs out of the call's time keeps the timings.
+  progress(f"timed: {row['tok_s']:.0f} tokens/s, {row['step_ms']:.3f} ms per decode step, "
+           f"prefill + 1 {row['prefill_ms']:.1f} ms")
   if profile:
     progress("kernel breakdown of one decode step (CUPTI)")
     row["kernels"] = step_kernels(model, prompts, lens, new_tokens, fused_draw=fused_draw)
