@@ -29,7 +29,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import pipelined_ms  # noqa: E402
 
-from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M  # noqa: E402
 from jaxrl_kernels.grouped_gemm import group_layout, grouped_matmul  # noqa: E402
 from jaxrl_kernels.pallas import gemm_mosaic  # noqa: E402
 
@@ -69,7 +68,7 @@ def _mosaic_kernel(x, w, ids):
   lay = group_layout(ids, E)
   xp = jnp.zeros((lay.rows, x.shape[1]), x.dtype).at[lay.dest].set(x, unique_indices=True)
   return gemm_mosaic.ragged_matmul(xp, w, lay.tile_expert, rhs_transposed=False,
-                                   out_dtype=x.dtype, block_m=GROUPED_GEMM_BLOCK_M)[lay.dest]
+                                   out_dtype=x.dtype)[lay.dest]
 
 
 def _stock_layout(ids):

@@ -358,11 +358,12 @@ def generate_text(model: nn.CausalLM, tokenizer: Tokenizer,
   template); ``nn.sample`` runs with ``stop_ids = tokenizer.eos_ids``, ``num_samples`` and the
   sampling arguments. Each completion is decoded with special tokens left out.
 
-  Stop strings: each string's encoding (``tokenizer.encode(s, add_special_tokens=False)``)
-  is a stop sequence of ``nn.sample``, so a row that samples exactly those tokens stops
-  decoding there; a row that spells the string with other tokens runs on to an eos id or
-  ``max_new_tokens``. Then the text is cut just before the first occurrence (lowest
-  position) of any stop string (the stop string is not part of ``text``). The kept tokens
+  Stop strings: each string's encoding (``tokenizer.encode(s, add_special_tokens=False)``,
+  when it decodes back to a text holding the string) is a stop sequence of ``nn.sample``, so
+  a row that samples exactly those tokens stops decoding there; a row that spells the
+  string with other tokens runs on to an eos id or ``max_new_tokens``. Then the text is cut
+  just before the first occurrence (lowest position) of any stop string (the stop string is
+  not part of ``text``). The kept tokens
   are those whose decoded text ends at or before the cut: the longest prefix ``ids[:k]``
   such that no ``ids[:j]``, ``j <= k``, decodes to more characters than the cut text. A
   token whose text straddles the cut is dropped, with everything after it (``text`` keeps
@@ -392,8 +393,10 @@ def generate_text(model: nn.CausalLM, tokenizer: Tokenizer,
   ids, lengths = tokenizer.batch(prompts)
   # Each stop string's own encoding stops its row inside the sampling loop; the text cut
   # below stays the authority (a string the model spells with other tokens is cut there).
-  encoded = [q for q in (tokenizer.encode(s, add_special_tokens=False) for s in stop_strings)
-             if q]
+  # An encoding whose text does not give the string back (a special token decode leaves
+  # out, a normalizer) is not passed: the row would stop with nothing to cut.
+  encoded = [q for s in stop_strings if (q := tokenizer.encode(s, add_special_tokens=False))
+             and s in tokenizer.decode(q)]
   res = nn.sample(model, ids, lengths, max_new_tokens=max_new_tokens, key=key,
                   temperature=temperature, stop_ids=tokenizer.eos_ids, top_k=top_k,
                   top_p=top_p, num_samples=num_samples, stop_sequences=encoded or None)

@@ -5,7 +5,8 @@ order), which Pallas builds in Python when the kernel is lowered. Lowering for C
 GPU, so the CPU suite can pin every GPU kernel the way tests/golden_digests.json pins every
 op's output: each case lowers one kernel entry point at fixed shapes for ``cuda``, takes the
 Mosaic GPU and Triton modules of its custom calls, prints them without debug information
-(source locations change with every edit; the program does not) and hashes the text. An edit that
+(source locations change with every edit; the program does not) and hashes the text with
+each call's launch settings (a Triton kernel's grid, warps and stages). An edit that
 changes a kernel's program changes its digest; one that only moves code does not.
 
 The programs depend on the jax version that builds them: the digests are those of
@@ -59,7 +60,7 @@ def _cases():
 
   def ragged(rt):
     return lambda x, w, te: gemm_mosaic.ragged_matmul(x, w, te, rhs_transposed=rt,
-                                                      out_dtype=bf16, block_m=BM)
+                                                      out_dtype=bf16)
 
   kw = dict(temperature=0.7, compute_dtype=bf16)
   t, h, v = 64, 896, 5000
@@ -138,9 +139,15 @@ def _cases():
   }
 
 
-def _modules(lowered) -> list[bytes]:
-  """The serialized kernel modules of ``lowered``'s Mosaic GPU and Triton custom calls, in
-  program order."""
+_PROGRAM_KEYS = ("module", "ir")  # the serialized kernel in each custom call's config
+_SKIPPED_KEYS = ("kernel_hash",)  # a hash of the serialized module (with its locations)
+
+
+def _kernels(lowered) -> list[tuple[bytes, str]]:
+  """``(serialized module, its launch settings)`` of each Mosaic GPU and Triton custom call
+  of ``lowered``, in program order. The settings are the config's other entries (a Triton
+  kernel's grid, warps and stages: a warp count changes how a kernel's cross-warp reductions
+  group), printed sorted."""
   from jax._src.lib.mlir import ir
   found = []
 
@@ -148,14 +155,15 @@ def _modules(lowered) -> list[bytes]:
     for region in op.regions:
       for block in region.blocks:
         for o in block.operations:
-          if o.name == "stablehlo.custom_call":
+          if o.name == "stablehlo.custom_call" and "mhlo.backend_config" in o.attributes:
             target = ir.StringAttr(o.attributes["call_target_name"]).value
-            cfg = o.attributes["mhlo.backend_config"] if "mhlo.backend_config" in o.attributes \
-                else None
-            if target.startswith("mosaic_gpu") and cfg is not None:
-              found.append(bytes(ir.StringAttr(cfg["module"]).value_bytes))
-            elif target == "__gpu$xla.gpu.triton" and cfg is not None:
-              found.append(bytes(ir.StringAttr(cfg["ir"]).value_bytes))
+            if target.startswith("mosaic_gpu") or target == "__gpu$xla.gpu.triton":
+              cfg = ir.DictAttr(o.attributes["mhlo.backend_config"])
+              entries = {cfg[i].name: cfg[i].attr for i in range(len(cfg))}
+              program = next(k for k in _PROGRAM_KEYS if k in entries)
+              settings = ";".join(f"{k}={entries[k]}" for k in sorted(entries)
+                                  if k not in (program, *_SKIPPED_KEYS))
+              found.append((bytes(ir.StringAttr(entries[program]).value_bytes), settings))
           walk(o)
 
   walk(lowered.compiler_ir().operation)
@@ -163,14 +171,15 @@ def _modules(lowered) -> list[bytes]:
 
 
 def digest(name: str) -> str:
-  """sha256 of the case's kernel programs (debug information left out), in call order."""
+  """sha256 of the case's kernel programs (debug information left out) and launch settings,
+  in call order."""
   from jax._src.interpreters import mlir as jax_mlir
   from jax._src.lib import mosaic_gpu_dialect, triton
   from jax._src.lib.mlir import ir
   fn, args = _cases()[name]
   lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  modules = _modules(lowered)
-  if not modules:
+  kernels = _kernels(lowered)
+  if not kernels:
     raise AssertionError(f"{name}: no GPU kernel in the lowered program")
   ctx = jax_mlir.make_ir_context()
   mosaic_gpu_dialect.register_dialect(ctx)  # its types (barriers) in memrefs
@@ -178,8 +187,9 @@ def digest(name: str) -> str:
   ctx.allow_unregistered_dialects = True  # the other kernel dialects print generically
   h = hashlib.sha256()
   with ctx:
-    for m in modules:
-      h.update(ir.Module.parse(m).operation.get_asm(enable_debug_info=False).encode())
+    for module, settings in kernels:
+      h.update(ir.Module.parse(module).operation.get_asm(enable_debug_info=False).encode())
+      h.update(settings.encode())
   return h.hexdigest()[:32]
 
 

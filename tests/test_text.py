@@ -336,27 +336,43 @@ def test_stop_strings_cut_text_and_tokens(lm, tok):
 
 
 def test_stop_strings_stop_the_sampling_loop(lm, tok, monkeypatch):
-  """Each stop string's encoding reaches nn.sample as a stop sequence (rows stop decoding
-  there), and the completions are those of the post-hoc cut alone."""
+  """A stop string whose encoding is a sampled token stops its rows inside the sampling loop
+  (fewer tokens decoded), and the completions are those of the post-hoc cut alone."""
   full = text.generate_text(lm, tok, PROMPTS, **GEN)
-  stops = (full[0].text[3:5], "\x00never")
+  # A sampled token that is its own string's encoding (and decodes back to it).
+  s = next(p for f in full for t in f.token_ids[1:]
+           if (p := tok.decode([t])) and tok.encode(p, add_special_tokens=False) == [t])
   seen = []
   original = text.nn.sample
 
   def spy(*a, **k):
-    seen.append(k.get("stop_sequences"))
-    return original(*a, **k)
+    res = original(*a, **k)
+    seen.append((k.get("stop_sequences"), np.asarray(res.completion_mask).sum(1)))
+    return res
 
   monkeypatch.setattr(text.nn, "sample", spy)
-  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=stops, **GEN)
-  assert seen == [[q for q in (tok.encode(s, add_special_tokens=False) for s in stops) if q]]
-  assert seen[0], "the stop strings should encode to token sequences"
-  monkeypatch.setattr(text.nn, "sample", lambda *a, **k: original(
-      *a, **{**k, "stop_sequences": None}))
-  cut_only = text.generate_text(lm, tok, PROMPTS, stop_strings=stops, **GEN)
+  outs = text.generate_text(lm, tok, PROMPTS, stop_strings=(s,), **GEN)
+  monkeypatch.setattr(text.nn, "sample", lambda *a, **k: spy(*a, **{**k, "stop_sequences": None}))
+  cut_only = text.generate_text(lm, tok, PROMPTS, stop_strings=(s,), **GEN)
+  (passed, decoded), (_, decoded_cut_only) = seen
+  assert passed == [tok.encode(s, add_special_tokens=False)]
+  assert decoded.sum() < decoded_cut_only.sum(), "no row stopped inside the loop"
   for o, c in zip(outs, cut_only, strict=True):
     assert (o.text, o.token_ids, o.finish_reason) == (c.text, c.token_ids, c.finish_reason)
     assert_bitwise_equal(o.logp, c.logp, "kept log-probs")
+
+
+def test_a_stop_string_that_decodes_to_nothing_is_not_a_stop_sequence(lm, tok, monkeypatch):
+  """A special token's string (decode leaves it out) is not passed to the sampler: a row
+  stopping there would have no text to cut and report 'length'."""
+  special = next(t for t in (tok.decode([i], skip_special_tokens=False) for i in range(4))
+                 if t and tok.decode(tok.encode(t, add_special_tokens=False)) == "")
+  seen = []
+  original = text.nn.sample
+  monkeypatch.setattr(text.nn, "sample", lambda *a, **k: (
+      seen.append(k.get("stop_sequences")), original(*a, **k))[1])
+  text.generate_text(lm, tok, PROMPTS, stop_strings=(special,), **GEN)
+  assert seen == [None]
 
 
 # ------------------------------------------------------------- against transformers (GPU image)

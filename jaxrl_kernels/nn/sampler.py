@@ -243,13 +243,16 @@ def _generate(model: CausalLM, prompts, prompt_lengths, key, *, max_new_tokens: 
 def _ends_with_stop(tokens, at, prompt_lengths, table):
   """``[B]`` bool: row ``r``'s completion ends (at position ``at[r]``) with one of its stop
   sequences ``table[r]`` (``[S, L]``, each right-aligned, ``-1`` left padding; a slot of all
-  ``-1`` is empty). Only completion positions match: a sequence never straddles the prompt."""
+  ``-1`` is empty). Only completion positions match: a sequence never straddles the prompt.
+  Only ``-1`` is padding: another negative entry (refused when the table is concrete)
+  matches no token."""
   n_len = table.shape[-1]
   pos = at[:, None] - (n_len - 1) + jnp.arange(n_len)[None, :]  # [B, L]
   window = jnp.take_along_axis(tokens, jnp.clip(pos, 0, tokens.shape[1] - 1), axis=1)
   in_completion = pos >= prompt_lengths[:, None]
-  ok = (table < 0) | ((window[:, None, :] == table) & in_completion[:, None, :])
-  return jnp.any(jnp.all(ok, axis=-1) & jnp.any(table >= 0, axis=-1), axis=-1)
+  pad = table == -1
+  ok = pad | ((window[:, None, :] == table) & in_completion[:, None, :])
+  return jnp.any(jnp.all(ok, axis=-1) & ~jnp.all(pad, axis=-1), axis=-1)
 
 
 def _stop_table(stop_sequences, batch: int, vocab_size: int):
@@ -260,13 +263,22 @@ def _stop_table(stop_sequences, batch: int, vocab_size: int):
   if stop_sequences is None:
     return None
   if isinstance(stop_sequences, jax.Array | np.ndarray):
-    table = jnp.asarray(stop_sequences)
-    if not jnp.issubdtype(table.dtype, jnp.integer) or table.ndim not in (2, 3) or (
-        table.ndim == 3 and table.shape[0] != batch) or 0 in table.shape[-2:]:
+    table = _validation.as_ids(op, name, stop_sequences)  # int dtype; wide ids never wrap
+    if table.ndim not in (2, 3) or (table.ndim == 3 and table.shape[0] != batch) or (
+        0 in table.shape[-2:]):
       raise ValueError(f"{op}: {name} as an array must be int [S, L] (every row's) or "
                        f"[B={batch}, S, L] (one table per prompt) with S, L >= 1, -1 "
                        f"padding on the left; got {table.dtype} {table.shape}")
-    table = jnp.broadcast_to(table.astype(jnp.int32), (batch, *table.shape[-2:]))
+    if _validation.is_concrete(table):
+      t = np.asarray(table)
+      # -1 after an id (right padding) would read as "any token" at the end of the sequence.
+      late = (t[..., :-1] != -1) & (t[..., 1:] == -1)
+      if late.any():
+        idx = tuple(int(i) for i in np.argwhere(late)[0])
+        raise ValueError(f"{op}: {name}: -1 pads on the left only (sequences are "
+                         f"right-aligned); slot {idx[:-1]} has -1 after an id: "
+                         f"{t[idx[:-1]].tolist()}")
+    table = jnp.broadcast_to(table, (batch, *table.shape[-2:]))
     _validation.check_ids_in_range(op, name, table, vocab_size, table != -1)
     return table
   if isinstance(stop_sequences, str | bytes):
@@ -279,7 +291,10 @@ def _stop_table(stop_sequences, batch: int, vocab_size: int):
   def is_seq(x):
     return isinstance(x, list | tuple | np.ndarray)
 
-  # One list per prompt when some element holds sequences (a prompt's list may be empty).
+  # One list per prompt when some element holds sequences (a prompt's list may be empty);
+  # B empty lists: no prompt has a sequence.
+  if len(seqs) == batch and all(is_seq(r) and len(r) == 0 for r in seqs):
+    return None
   nested = any(is_seq(r) and any(is_seq(q) for q in r) for r in seqs)
   per_row = [list(r) if is_seq(r) else [r] for r in seqs] if nested else None
   rows = per_row if per_row is not None else [seqs]
@@ -294,9 +309,9 @@ def _stop_table(stop_sequences, batch: int, vocab_size: int):
         raise ValueError(f"{op}: {name}{where} must be a non-empty sequence of ints in "
                          f"[0, {vocab_size}), got {sq!r}")
   n_seq = max(len(row) for row in rows)
-  n_len = max((len(sq) for row in rows for sq in row), default=1)
-  if n_seq == 0:
+  if n_seq == 0:  # no prompt has a sequence
     return None
+  n_len = max(len(sq) for row in rows for sq in row)
   table = np.full((len(rows), n_seq, n_len), -1, np.int32)
   for r, row in enumerate(rows):
     for j, sq in enumerate(row):
@@ -320,7 +335,8 @@ def sample(model: CausalLM, prompts: jax.Array, prompt_lengths: jax.Array, *,
            top_k: int | None = None, top_p: float | None = None,
            steps_per_chunk: int = SAMPLER_CHUNK, fused_draw: bool = True,
            num_samples: int = 1, prefill_chunk: int | None = None,
-           stop_sequences=None) -> SampleResult:
+           stop_sequences: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]]
+           | jax.Array | np.ndarray | None = None) -> SampleResult:
   """Samples up to ``max_new_tokens`` tokens per prompt with the KV cache, in one jitted call.
 
   Prefills the prompts, then per step: a token drawn with ``fold_in(key, step)`` and the

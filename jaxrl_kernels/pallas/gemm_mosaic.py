@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels._backend import DEFAULT_NUM_SMS
+from jaxrl_kernels.contract import GROUPED_GEMM_BLOCK_M
 from jaxrl_kernels.pallas import mosaic_loop
 from jaxrl_kernels.pallas._common import (
   check_num_ctas,
@@ -320,18 +321,28 @@ def ragged_config(rows: int, n: int, block_m: int) -> Config:
 
 
 def ragged_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, *,
-                  rhs_transposed: bool, out_dtype, block_m: int,
-                  config: Config | None = None) -> jax.Array:
+                  rhs_transposed: bool, out_dtype, config: Config | None = None) -> jax.Array:
   """The grouped (mixture-of-experts) product on Hopper: ``out[block i] = lhs[block i] @
-  op(rhs[tile_expert[i]])`` for the ``block_m``-row blocks of ``lhs [P, K]``, ``rhs [E, K, N]``
-  (or ``[E, N, K]`` with ``rhs_transposed``, read in place).
+  op(rhs[tile_expert[i]])`` for the ``GROUPED_GEMM_BLOCK_M``-row blocks of ``lhs [P, K]``
+  (the group layout's row tiles), ``rhs [E, K, N]`` (or ``[E, N, K]`` with
+  ``rhs_transposed``, read in place).
 
   Each CTA tile reads its block's expert (``persistent_matmul``'s ``tile_group``) and runs
   the instructions of :func:`matmul`'s tiles on its rows and that expert's weight: a row's
   bits are those of ``matmul(row, rhs[e])``, whatever the other rows, their experts or the
   config. ``K`` a multiple of ``TILE_K`` and ``N`` one the kernel takes
-  (:func:`supported_shape`); ``P`` a multiple of ``block_m``.
+  (:func:`supported_shape`); ``P`` a multiple of the block. ``tile_expert`` (int
+  ``[P / GROUPED_GEMM_BLOCK_M]``) must lie in ``[0, E)``, as ``group_layout`` gives it: the
+  kernel reads it unchecked (past the last expert TMA reads zeros). ``P = 0`` gives
+  ``[0, N]``.
   """
+  block_m = GROUPED_GEMM_BLOCK_M
+  if not jnp.issubdtype(jnp.result_type(tile_expert), jnp.integer):
+    raise TypeError(f"ragged_matmul: tile_expert must be an integer array, got "
+                    f"{jnp.result_type(tile_expert)}")
+  if out_dtype is None or jnp.dtype(out_dtype).name not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"ragged_matmul: out_dtype must be bfloat16, float16 or float32, got "
+                     f"{out_dtype!r}")
   if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype).name not in ("bfloat16", "float16"):
     raise ValueError(f"ragged_matmul: lhs and rhs must both be bfloat16 or float16 (wgmma's "
                      f"16-bit inputs), got {lhs.dtype} and {rhs.dtype}")
@@ -342,10 +353,10 @@ def ragged_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, *,
   e = rhs.shape[0]
   n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
   k_w = rhs.shape[2] if rhs_transposed else rhs.shape[1]
-  if k_w != k or p % block_m or tile_expert.shape != (p // block_m,):
+  if k_w != k or p % block_m or jnp.shape(tile_expert) != (p // block_m,):
     raise ValueError(f"ragged_matmul: expected lhs [P, K] with P a multiple of {block_m}, rhs "
                      f"[E, K, N] (or [E, N, K] transposed) and tile_expert [P / {block_m}]; got "
-                     f"lhs {lhs.shape}, rhs {rhs.shape}, tile_expert {tile_expert.shape}")
+                     f"lhs {lhs.shape}, rhs {rhs.shape}, tile_expert {jnp.shape(tile_expert)}")
   cfg = dataclasses.replace(config or ragged_config(p, n, block_m))
   if block_m % cfg.cta_tile_m:
     raise ValueError(f"ragged_matmul: the CTA tile's {cfg.cta_tile_m} rows must divide the "
@@ -354,13 +365,15 @@ def ragged_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, *,
   why = supported_shape(p, n, k, cfg, lhs_transposed=False, rhs_transposed=rhs_transposed)
   if why is not None:
     raise ValueError(f"ragged_matmul: unsupported shape: {why}")
+  if p == 0:  # no assignments (an empty batch): no tile to run
+    return jnp.zeros((0, n), out_dtype)
   b = rhs.reshape(e * n, k) if rhs_transposed else rhs.reshape(e * k, n)
   kernel = functools.partial(_kernel, m=p, n=n, k=k, cfg=cfg, lhs_transposed=False,
                              rhs_transposed=rhs_transposed, group_rows=block_m,
                              tile_group=True)
   f = mosaic_loop.kernel(kernel, out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
-                         cfg=cfg.loop, name="grouped_matmul_mosaic")
-  return f(lhs, b, tile_expert.astype(jnp.int32))
+                         cfg=cfg.loop, name="ragged_matmul_mosaic")
+  return f(lhs, b, jnp.asarray(tile_expert, jnp.int32))
 
 
 def chunk_tree_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, *, chunks: int,

@@ -26,7 +26,7 @@ BM = GROUPED_GEMM_BLOCK_M
 
 def _ragged(transposed: bool, config=None):
   return jax.jit(lambda x, w, te: gemm_mosaic.ragged_matmul(
-      x, w, te, rhs_transposed=transposed, out_dtype=x.dtype, block_m=BM, config=config))
+      x, w, te, rhs_transposed=transposed, out_dtype=x.dtype, config=config))
 
 
 @pytest.mark.parametrize("k, n, transposed", [(128, 128, False), (128, 256, True),
@@ -53,8 +53,21 @@ def test_arguments_are_checked(args, match):
   xs, ws, ts, dtype = args
   with pytest.raises(ValueError, match=match):
     gemm_mosaic.ragged_matmul(jnp.zeros(xs, dtype), jnp.zeros(ws, dtype),
-                              jnp.zeros(ts, jnp.int32), rhs_transposed=False, out_dtype=dtype,
-                              block_m=BM)
+                              jnp.zeros(ts, jnp.int32), rhs_transposed=False, out_dtype=dtype)
+
+
+def test_tile_experts_and_out_dtype_are_checked_and_no_rows_give_no_rows():
+  x, w = jnp.zeros((BM, 128), jnp.bfloat16), jnp.zeros((4, 128, 128), jnp.bfloat16)
+  with pytest.raises(TypeError, match="tile_expert must be an integer array, got float32"):
+    gemm_mosaic.ragged_matmul(x, w, jnp.zeros((1,), jnp.float32), rhs_transposed=False,
+                              out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="out_dtype must be"):
+    gemm_mosaic.ragged_matmul(x, w, jnp.zeros((1,), jnp.int32), rhs_transposed=False,
+                              out_dtype=None)
+  out = gemm_mosaic.ragged_matmul(jnp.zeros((0, 128), jnp.bfloat16), w,
+                                  jnp.zeros((0,), jnp.int32), rhs_transposed=True,
+                                  out_dtype=jnp.float32)
+  assert out.shape == (0, 128) and out.dtype == jnp.float32
 
 
 # ------------------------------------------------------------------------ on a Hopper GPU
@@ -72,11 +85,15 @@ def _layout_inputs(seed, a, k, n, e, transposed):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("k, n, transposed", [(2048, 1536, False), (768, 2048, False),
-                                              (1536, 2048, True), (2048, 768, True)])
+                                              (1536, 2048, True), (2048, 768, True),
+                                              (256, 320, True), (256, 320, False)])
 def test_rows_are_the_dense_kernels_rows_bitwise(k, n, transposed):
   """Every used row block equals ``gemm_mosaic.matmul`` of that block with its expert's
   weight, bit for bit (the dense kernel's contract), and the float64 truth within bf16
-  tolerance; a second config (the training tile) gives the same bits."""
+  tolerance; a second config (the training tile) gives the same bits. N = 320 (not a
+  multiple of the CTA tile): a transposed weight's last column tile reads into the next
+  expert's rows, and past the last expert's (every expert is routed), which the stores
+  clip."""
   e, a = 16, 700
   xp, w, lay, ids = _layout_inputs(0, a, k, n, e, transposed)
   out = np.asarray(_ragged(transposed)(xp, w, lay.tile_expert))

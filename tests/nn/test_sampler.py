@@ -223,6 +223,8 @@ def test_stop_sequences_per_row_keep_the_bits(lm):
     assert not np.asarray(res.tokens)[r, LENS[r] + end:].any()
     assert not np.asarray(res.logp)[r, LENS[r] + end:].any()
   assert m[0].sum() <= 5 and m[1].sum() <= 7 and m[2].sum() == n
+  none = sample(lm, PROMPTS, LENS, stop_sequences=[[], [], [], []], **kw)  # no prompt has one
+  assert_bitwise_equal(np.asarray(none.logp), np.asarray(free.logp), "B empty lists")
   got = score(lm, res.tokens, res.completion_mask, temperature=1.0)
   assert_bitwise_equal(got, np.asarray(res.logp), "score vs sampler")
   # The same table as a padded array (-1 on the left), and shared sequences as [S, L].
@@ -241,16 +243,27 @@ def test_stop_sequences_per_row_keep_the_bits(lm):
     assert np.asarray(both.completion_mask)[r].sum() == (_first_end(comp[r], shared) or n)
 
 
-def test_stop_sequences_in_groups_follow_their_prompt(lm):
-  """With num_samples, a prompt's sequences serve its G rows: bitwise the repeated call."""
+def test_stop_sequences_in_groups_follow_their_prompt(lm, caplog):
+  """With num_samples, a prompt's sequences serve its G rows: bitwise the repeated call, and
+  rows do stop early. Another table of the same shape compiles nothing (an operand)."""
   kw = dict(max_new_tokens=8, key=jax.random.key(2), temperature=0.9)
-  per_row = [[[5, 9]], [[7]], [], [[1], [2, 3]]]
+  free = sample(lm, PROMPTS, LENS, num_samples=2, **kw)
+  tok = np.asarray(free.tokens)
+  # Each prompt's first row's 3rd completion token; prompt 2 gets none.
+  per_row = [[[int(tok[2 * i, LENS[i] + 2])]] if i != 2 else [] for i in range(4)]
   group = sample(lm, PROMPTS, LENS, num_samples=2, stop_sequences=per_row, **kw)
   rep = sample(lm, np.repeat(PROMPTS, 2, 0), np.repeat(LENS, 2),
                stop_sequences=[q for q in per_row for _ in range(2)], **kw)
-  np.testing.assert_array_equal(np.asarray(group.completion_mask),
-                                np.asarray(rep.completion_mask))
+  m = np.asarray(group.completion_mask)
+  np.testing.assert_array_equal(np.asarray(rep.completion_mask), m)
   assert_bitwise_equal(np.asarray(group.logp), np.asarray(rep.logp), "grouped stop sequences")
+  assert all(m[2 * i].sum() <= 3 for i in (0, 1, 3)) and m[4].sum() == m[5].sum() == 8
+  assert_bitwise_equal(np.asarray(group.logp)[m], np.asarray(free.logp)[m], "kept bits")
+  other = [[[int(tok[2 * i + 1, LENS[i] + 1])]] if i != 2 else [[0]] for i in range(4)]
+  with caplog.at_level("WARNING"), jax.log_compiles(True):
+    sample(lm, PROMPTS, LENS, num_samples=2, stop_sequences=other, **kw)
+  assert not [r for r in caplog.records if "_generate" in r.getMessage()], \
+      "a new table of the same shape recompiled the sampler"
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -275,6 +288,9 @@ def test_stop_sequences_in_groups_follow_their_prompt(lm):
     (dict(stop_sequences="</s>"), "token id sequences, got a string"),
     (dict(stop_sequences=np.zeros((3, 2, 2), np.int32)), "\\[B=4, S, L\\]"),
     (dict(stop_sequences=np.full((1, 2), 64, np.int32)), "stop_sequences must lie in"),
+    (dict(stop_sequences=np.array([[5, 7, -1]], np.int32)), "-1 pads on the left only"),
+    (dict(stop_sequences=np.array([[2 ** 32 + 5]], np.int64)), "stop_sequences"),
+    (dict(stop_sequences=np.array([[1.0]])), "integer dtype"),
 ])
 def test_bad_options(lm, kw, match):
   with pytest.raises((ValueError, TypeError), match=match):  # TypeError: a bool temperature
