@@ -79,6 +79,8 @@ USES = {
     "pallas/mosaic_loop.py": {"GEMM_TILE_K"},
     "pallas/gemm_triton.py": {"GEMM_TRITON_BLOCK_K"},
     "pallas/grouped_gemm_triton.py": {"GEMM_TRITON_BLOCK_K", "GROUPED_GEMM_BLOCK_M"},
+    # The MoE product's row blocks (its K tile is mosaic_loop's).
+    "pallas/gemm_mosaic.py": {"GROUPED_GEMM_BLOCK_M"},
     "grouped_gemm/cpu.py": {"CPU_COL_BLOCK", "GROUPED_GEMM_BLOCK_M"},
     "grouped_gemm/layout.py": {"GROUPED_GEMM_BLOCK_M"},
     "grouped_gemm/xla.py": {"GROUPED_GEMM_BLOCK_M"},
@@ -98,7 +100,7 @@ USES = {
 NO_CONSTANT_OF_THEIR_OWN = (
     "pallas/linear_logp_bwd.py", "pallas/lm_head_logits.py", "pallas/softmax_partials.py",
     "pallas/rmsnorm_triton.py", "pallas/reduce_triton.py", "reduce/fixed_order.py",
-    "nn/norm.py", "pallas/gemm_mosaic.py", "pallas/attention_mosaic_bwd.py",
+    "nn/norm.py", "pallas/attention_mosaic_bwd.py",
 )
 # Module-level integer constants of kernel files that name a block, tile, lane or chunk but
 # are not contract constants, with why. Any other such literal fails
