@@ -304,7 +304,7 @@ def _stop_table(stop_sequences, batch: int, vocab_size: int):
   for r, row in enumerate(rows):
     for j, sq in enumerate(row):
       where = f"[{r}][{j}]" if per_row is not None else f"[{j}]"
-      if not isinstance(sq, list | tuple | np.ndarray) or len(sq) == 0 or not all(
+      if not is_seq(sq) or len(sq) == 0 or not all(
           _is_int(t) and 0 <= t < vocab_size for t in sq):
         raise ValueError(f"{op}: {name}{where} must be a non-empty sequence of ints in "
                          f"[0, {vocab_size}), got {sq!r}")

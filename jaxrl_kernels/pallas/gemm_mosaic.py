@@ -357,7 +357,7 @@ def ragged_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, *,
     raise ValueError(f"ragged_matmul: expected lhs [P, K] with P a multiple of {block_m}, rhs "
                      f"[E, K, N] (or [E, N, K] transposed) and tile_expert [P / {block_m}]; got "
                      f"lhs {lhs.shape}, rhs {rhs.shape}, tile_expert {jnp.shape(tile_expert)}")
-  cfg = dataclasses.replace(config or ragged_config(p, n, block_m))
+  cfg = config or ragged_config(p, n, block_m)
   if block_m % cfg.cta_tile_m:
     raise ValueError(f"ragged_matmul: the CTA tile's {cfg.cta_tile_m} rows must divide the "
                      f"{block_m}-row blocks")
